@@ -1,0 +1,7 @@
+"""``python -m guard_trio`` runs the ``inference-guard`` command line."""
+
+import sys
+
+from guard_trio.cli import main
+
+sys.exit(main())

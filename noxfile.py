@@ -1,0 +1,52 @@
+"""Developer and CI sessions. ``nox -s tests`` is the command CI runs (see README)."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typing", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_external_run = True
+
+PYTHON = "3.11"
+CODE = ["guard_core", "guard_adapters", "guard_trio", "tests", "noxfile.py"]
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The whole suite, with the CI Hypothesis profile."""
+    session.install("-e", ".[test]")
+    session.run(
+        "pytest",
+        *session.posargs,
+        env={"HYPOTHESIS_PROFILE": "ci"},
+        success_codes=[0, 5],  # 5: no test collected, e.g. a filter that matched nothing
+    )
+
+
+@nox.session(python=PYTHON)
+def property(session: nox.Session) -> None:
+    """Property tests only, with the deep Hypothesis profile and per-test statistics."""
+    session.install("-e", ".[test]")
+    session.run(
+        "pytest",
+        "tests/property",
+        "--hypothesis-show-statistics",
+        *session.posargs,
+        env={"HYPOTHESIS_PROFILE": "deep"},
+    )
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", *CODE)
+    session.run("ruff", "format", "--check", *CODE)
+
+
+@nox.session(python=PYTHON)
+def typing(session: nox.Session) -> None:
+    """mypy: strict on guard_core, checked everywhere else (see pyproject.toml)."""
+    session.install("-e", ".[dev]")
+    session.run("mypy")
