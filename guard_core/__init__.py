@@ -1,0 +1,83 @@
+"""guard_core: the pure admission and capacity policy of inference-guard.
+
+No I/O, no clock, no randomness, no concurrency: every input is a value (time arrives as ``at`` on
+events, or ``now`` arguments), every output is a value. Only ``attrs`` and pure standard-library
+modules are imported, so any runtime can embed it.
+"""
+
+from guard_core._errors import GuardError, InvalidObservation, PolicyConfigError
+from guard_core.composition import COMPONENT_ORDER, CapComponents, ComposedCap, compose
+from guard_core.decision import (
+    Admission,
+    Admitted,
+    DecisionSource,
+    LimitReason,
+    LoadState,
+    PublishedDecision,
+    Queued,
+    RejectCode,
+    Rejected,
+    StateReason,
+)
+from guard_core.gate import (
+    DecisionPublished,
+    GateConfig,
+    GateState,
+    GateStep,
+    SlotReleased,
+    SlotRequested,
+    WaitAbandoned,
+    WaitRetried,
+    current_limit,
+    next_check_at,
+    short_wait_s,
+)
+from guard_core.gate import apply as apply_gate_event
+from guard_core.lanes import Lane, body_lane, combine_lanes, output_lane
+from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
+from guard_core.tier import Tier, basic_limit, premium_reserved, tier_from_header_values
+from guard_core.upstream_errors import Reclassified, reclassify
+
+__all__ = (
+    "COMPONENT_ORDER",
+    "DEFAULT_QOS_PATHS",
+    "Admission",
+    "Admitted",
+    "CapComponents",
+    "ComposedCap",
+    "DecisionPublished",
+    "DecisionSource",
+    "GateConfig",
+    "GateState",
+    "GateStep",
+    "GuardError",
+    "InvalidObservation",
+    "Lane",
+    "LimitReason",
+    "LoadState",
+    "PathPolicy",
+    "PolicyConfigError",
+    "PublishedDecision",
+    "Queued",
+    "Reclassified",
+    "RejectCode",
+    "Rejected",
+    "SlotReleased",
+    "SlotRequested",
+    "StateReason",
+    "Tier",
+    "WaitAbandoned",
+    "WaitRetried",
+    "apply_gate_event",
+    "basic_limit",
+    "body_lane",
+    "combine_lanes",
+    "compose",
+    "current_limit",
+    "next_check_at",
+    "output_lane",
+    "premium_reserved",
+    "reclassify",
+    "short_wait_s",
+    "tier_from_header_values",
+)

@@ -1,0 +1,338 @@
+"""The admission gate: who may hold a slot now, who may wait briefly, who is refused (spec 4).
+
+Reads: the latest :class:`~guard_core.decision.PublishedDecision`, the per-tier in-flight and
+waiting counts it keeps itself, and the request's tier. Time enters only as ``at`` on events.
+Guarantees:
+- in-flight never exceeds ``GLOBAL_LIMIT``, nor (in dynamic mode) the published cap at the
+  moment of admission; a later, lower cap never evicts anyone;
+- counts never go negative: releasing or abandoning what is not held raises
+  :class:`~guard_core.InvalidObservation` and the state given stays valid;
+- every attempt ends in exactly one :class:`Admitted` or :class:`Rejected`; a :class:`Queued`
+  attempt stays counted as waiting until its retry admits it, its retry rejects it, or it is
+  abandoned;
+- premium may use the whole cap; basic never takes a slot reserved for premium and is refused
+  with ``tier_priority`` while any premium request waits;
+- the short wait is a pure function of the latest decision and the refusal code (spec 4.3) and
+  never exceeds ``min(PIG_QUEUE_WAIT_SECONDS, 0.5 s)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from guard_core._errors import InvalidObservation, PolicyConfigError
+from guard_core.decision import (
+    Admission,
+    Admitted,
+    DecisionSource,
+    LoadState,
+    PublishedDecision,
+    Queued,
+    RejectCode,
+    Rejected,
+    StateReason,
+)
+from guard_core.tier import Tier, basic_limit
+
+__all__ = (
+    "MAX_SHORT_WAIT_S",
+    "DecisionPublished",
+    "GateConfig",
+    "GateEvent",
+    "GateState",
+    "GateStep",
+    "SlotReleased",
+    "SlotRequested",
+    "WaitAbandoned",
+    "WaitRetried",
+    "apply",
+    "current_limit",
+    "next_check_at",
+    "short_wait_s",
+)
+
+#: The longest a request is ever held before it is forwarded or refused.
+MAX_SHORT_WAIT_S = 0.5
+_RED_WAIT_S = 0.1
+_PRESSURE_WAIT_S = 0.25
+_KV_CRITICAL = 0.95
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise PolicyConfigError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def _positive(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if value <= 0:
+        raise PolicyConfigError(f"{attribute.name} must be > 0, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class GateConfig:
+    """The settings the gate reads, with PIG's defaults."""
+
+    #: ``GLOBAL_LIMIT``: the hard in-flight cap for admitted requests.
+    global_limit: int = attrs.field(default=512, validator=_non_negative)
+    #: Dynamic mode enabled *and* enforced; otherwise the cap is ``global_limit``.
+    dynamic: bool = True
+    #: ``PIG_QUEUE_WAIT_SECONDS``; the effective wait is at most 0.5 s.
+    queue_wait_s: float = attrs.field(default=0.5, validator=_non_negative)
+    #: ``PIG_QUEUE_POLL_MS``; the fallback re-check period is ten times this, within [50 ms, 1 s].
+    queue_poll_ms: int = attrs.field(default=100, validator=_positive)
+    #: ``DYNAMIC_KV_RED``; 0 turns the KV rule of the short wait off.
+    kv_red: float = attrs.field(default=0.80, validator=_non_negative)
+    #: ``DYNAMIC_WAITING_RED``; 0 turns the waiting rule of the short wait off.
+    waiting_red: int = attrs.field(default=2, validator=_non_negative)
+
+    @property
+    def fallback_check_s(self) -> float:
+        """How long a waiter sleeps without a wake-up before it retries anyway."""
+        return min(1.0, max(0.05, self.queue_poll_ms * 10 / 1000))
+
+
+@attrs.frozen(kw_only=True)
+class GateState:
+    """Slots held and requests waiting, per tier, under the latest published decision."""
+
+    config: GateConfig
+    decision: PublishedDecision
+    premium_inflight: int = 0
+    basic_inflight: int = 0
+    premium_waiting: int = 0
+    basic_waiting: int = 0
+
+    @classmethod
+    def initial(cls, config: GateConfig, *, at: float) -> GateState:
+        """A gate before the first poll: closed in dynamic mode, ``GLOBAL_LIMIT`` in static."""
+        if config.dynamic:
+            decision = PublishedDecision.startup(at=at)
+        else:
+            decision = PublishedDecision.static(at=at, global_limit=config.global_limit)
+        return cls(config=config, decision=decision)
+
+    @property
+    def inflight(self) -> int:
+        return self.premium_inflight + self.basic_inflight
+
+    @property
+    def waiting(self) -> int:
+        return self.premium_waiting + self.basic_waiting
+
+    def inflight_of(self, tier: Tier) -> int:
+        return self.premium_inflight if tier is Tier.PREMIUM else self.basic_inflight
+
+    def waiting_of(self, tier: Tier) -> int:
+        return self.premium_waiting if tier is Tier.PREMIUM else self.basic_waiting
+
+
+# -- events ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class SlotRequested:
+    """A new admitted-path request asks for a slot."""
+
+    at: float
+    tier: Tier
+
+
+@attrs.frozen
+class WaitRetried:
+    """A waiting request tries again (after a wake-up, the fallback timer or its deadline)."""
+
+    at: float
+    queued: Queued
+
+
+@attrs.frozen
+class WaitAbandoned:
+    """A waiting request's client went away; it leaves the queue without an outcome."""
+
+    at: float
+    queued: Queued
+
+
+@attrs.frozen
+class SlotReleased:
+    """An admitted request finished (any way at all) and gives its slot back."""
+
+    at: float
+    tier: Tier
+
+
+@attrs.frozen
+class DecisionPublished:
+    """A poll published a new decision."""
+
+    decision: PublishedDecision
+
+    @property
+    def at(self) -> float:
+        return self.decision.at
+
+
+GateEvent = SlotRequested | WaitRetried | WaitAbandoned | SlotReleased | DecisionPublished
+
+
+@attrs.frozen
+class GateStep:
+    """The state after an event, and the admission outcome when the event was an attempt."""
+
+    state: GateState
+    outcome: Admission | None = None
+
+
+# -- pure rules --------------------------------------------------------------------------------
+
+
+def current_limit(state: GateState) -> tuple[int, RejectCode | None]:
+    """The cap in force and, when it is closed, the code every attempt gets (spec 4.1)."""
+    config = state.config
+    if not config.dynamic:
+        return config.global_limit, None
+    decision = state.decision
+    if decision.cap <= 0:
+        if decision.backend_unavailable:
+            return decision.cap, RejectCode.BACKEND_UNAVAILABLE
+        return decision.cap, RejectCode.GLOBAL_DYNAMIC_LIMIT
+    return decision.cap, None
+
+
+def _refusal(state: GateState, tier: Tier) -> RejectCode | None:
+    """Why ``tier`` cannot take a slot now, or ``None`` when it can (spec 4.2)."""
+    limit, closed = current_limit(state)
+    if closed is not None:
+        return closed
+    inflight = state.inflight
+    if state.config.dynamic and inflight >= limit:
+        return RejectCode.GLOBAL_DYNAMIC_LIMIT
+    if tier is Tier.BASIC:
+        if state.premium_waiting > 0:
+            return RejectCode.TIER_PRIORITY
+        allowed = basic_limit(limit, state.premium_inflight)
+        if allowed <= 0 or state.basic_inflight >= allowed:
+            return RejectCode.TIER_BASIC_LIMIT
+    if inflight >= state.config.global_limit:
+        return RejectCode.GLOBAL_LIMIT
+    return None
+
+
+def short_wait_s(decision: PublishedDecision, code: RejectCode, config: GateConfig) -> float:
+    """How long a refused request may wait for a slot (spec 4.3); 0 means reject at once.
+
+    The wait is shortened to 0.25 s or 0.1 s when the latest poll shows the backend under
+    pressure, since a slot is then unlikely to free up, and is never longer than configured.
+    """
+    if code is RejectCode.BACKEND_UNAVAILABLE or config.queue_wait_s <= 0:
+        return 0.0
+    wait = min(config.queue_wait_s, MAX_SHORT_WAIT_S)
+    if decision.source is not DecisionSource.METRICS:
+        return wait
+    for reason in decision.red_reasons:
+        if reason in (StateReason.PREEMPTIONS, StateReason.KV_CACHE):
+            return min(wait, _RED_WAIT_S)
+        if reason in (StateReason.WAITING, StateReason.SCHEDULER_PRESSURE_CAPACITY):
+            wait = min(wait, _PRESSURE_WAIT_S)
+    if decision.state is LoadState.RED:
+        return min(wait, _RED_WAIT_S)
+    kv = decision.kv_usage
+    if (config.kv_red > 0 and kv >= config.kv_red) or kv >= _KV_CRITICAL:
+        return min(wait, _RED_WAIT_S)
+    waiting = decision.waiting
+    if decision.cap > 0 and waiting > 0 and decision.running >= math.ceil(0.9 * decision.cap):
+        return min(wait, _PRESSURE_WAIT_S)
+    if config.waiting_red > 0 and waiting >= max(1, config.waiting_red // 2):
+        return min(wait, _PRESSURE_WAIT_S)
+    if (
+        decision.state is LoadState.YELLOW
+        and waiting > 0
+        and config.queue_wait_s >= _PRESSURE_WAIT_S
+    ):
+        return min(wait, _PRESSURE_WAIT_S)
+    return wait
+
+
+def next_check_at(queued: Queued, *, now: float, config: GateConfig) -> float:
+    """When a waiter should retry if nothing wakes it earlier: its deadline or the fallback."""
+    return min(queued.deadline, now + config.fallback_check_s)
+
+
+# -- reducer -----------------------------------------------------------------------------------
+
+
+def _with_counts(state: GateState, tier: Tier, *, inflight: int, waiting: int) -> GateState:
+    if tier is Tier.PREMIUM:
+        return attrs.evolve(
+            state,
+            premium_inflight=state.premium_inflight + inflight,
+            premium_waiting=state.premium_waiting + waiting,
+        )
+    return attrs.evolve(
+        state,
+        basic_inflight=state.basic_inflight + inflight,
+        basic_waiting=state.basic_waiting + waiting,
+    )
+
+
+def _request(state: GateState, event: SlotRequested) -> GateStep:
+    code = _refusal(state, event.tier)
+    if code is None:
+        return GateStep(
+            _with_counts(state, event.tier, inflight=1, waiting=0), Admitted(event.tier)
+        )
+    wait = short_wait_s(state.decision, code, state.config)
+    if wait <= 0:
+        return GateStep(state, Rejected(code))
+    queued = Queued(event.tier, event.at + wait, code)
+    return GateStep(_with_counts(state, event.tier, inflight=0, waiting=1), queued)
+
+
+def _check_waiting(state: GateState, queued: Queued) -> None:
+    if state.waiting_of(queued.tier) <= 0:
+        raise InvalidObservation(f"no {queued.tier} request is waiting")
+
+
+def _retry(state: GateState, event: WaitRetried) -> GateStep:
+    queued = event.queued
+    _check_waiting(state, queued)
+    tier = queued.tier
+    # A waiter does not count against itself: a premium waiter must not see its own wait as a
+    # reason to refuse anyone, and the tier rule only looks at premium waiters for basic.
+    code = _refusal(state, tier)
+    if code is None:
+        return GateStep(_with_counts(state, tier, inflight=1, waiting=-1), Admitted(tier))
+    if event.at >= queued.deadline or short_wait_s(state.decision, code, state.config) <= 0:
+        return GateStep(_with_counts(state, tier, inflight=0, waiting=-1), Rejected(code))
+    return GateStep(state, Queued(tier, queued.deadline, code))
+
+
+def _abandon(state: GateState, event: WaitAbandoned) -> GateStep:
+    _check_waiting(state, event.queued)
+    return GateStep(_with_counts(state, event.queued.tier, inflight=0, waiting=-1))
+
+
+def _release(state: GateState, event: SlotReleased) -> GateStep:
+    if state.inflight_of(event.tier) <= 0:
+        raise InvalidObservation(f"release of a {event.tier} slot that is not held")
+    return GateStep(_with_counts(state, event.tier, inflight=-1, waiting=0))
+
+
+def _publish(state: GateState, event: DecisionPublished) -> GateStep:
+    return GateStep(attrs.evolve(state, decision=event.decision))
+
+
+def apply(state: GateState, event: GateEvent) -> GateStep:
+    """Apply one event to the gate; attempts (request and retry) also return their outcome."""
+    if isinstance(event, SlotRequested):
+        return _request(state, event)
+    if isinstance(event, WaitRetried):
+        return _retry(state, event)
+    if isinstance(event, SlotReleased):
+        return _release(state, event)
+    if isinstance(event, WaitAbandoned):
+        return _abandon(state, event)
+    return _publish(state, event)
