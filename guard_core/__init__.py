@@ -19,6 +19,7 @@ from guard_core.decision import (
     Rejected,
     StateReason,
 )
+from guard_core.evaluation import BackendPoll, GateView, LearnerState, Snapshot, evaluate
 from guard_core.gate import (
     DecisionPublished,
     GateConfig,
@@ -33,51 +34,85 @@ from guard_core.gate import (
     short_wait_s,
 )
 from guard_core.gate import apply as apply_gate_event
+from guard_core.guard import (
+    FirstTokenObserved,
+    GuardConfig,
+    GuardState,
+    GuardStep,
+    MetricsPolled,
+    PrefillEnded,
+    PrefillStarted,
+)
+from guard_core.guard import apply as apply_guard_event
 from guard_core.lanes import Lane, body_lane, combine_lanes, output_lane
+from guard_core.observations import BackendSample, Flavour, Histogram
+from guard_core.policy import PolicyConfig
 from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
+from guard_core.signal_state import SignalThresholds
 from guard_core.tier import Tier, basic_limit, premium_reserved, tier_from_header_values
 from guard_core.upstream_errors import Reclassified, reclassify
+from guard_core.upstream_status import UpstreamStatus, upstream_status_digit
 
 __all__ = (
     "COMPONENT_ORDER",
     "DEFAULT_QOS_PATHS",
     "Admission",
     "Admitted",
+    "BackendPoll",
+    "BackendSample",
     "CapComponents",
     "ComposedCap",
     "DecisionPublished",
     "DecisionSource",
+    "FirstTokenObserved",
+    "Flavour",
     "GateConfig",
     "GateState",
     "GateStep",
+    "GateView",
+    "GuardConfig",
     "GuardError",
+    "GuardState",
+    "GuardStep",
+    "Histogram",
     "InvalidObservation",
     "Lane",
+    "LearnerState",
     "LimitReason",
     "LoadState",
+    "MetricsPolled",
     "PathPolicy",
+    "PolicyConfig",
     "PolicyConfigError",
+    "PrefillEnded",
+    "PrefillStarted",
     "PublishedDecision",
     "Queued",
     "Reclassified",
     "RejectCode",
     "Rejected",
+    "SignalThresholds",
     "SlotReleased",
     "SlotRequested",
+    "Snapshot",
     "StateReason",
     "Tier",
+    "UpstreamStatus",
     "WaitAbandoned",
     "WaitRetried",
     "apply_gate_event",
+    "apply_guard_event",
     "basic_limit",
     "body_lane",
     "combine_lanes",
     "compose",
     "current_limit",
+    "evaluate",
     "next_check_at",
     "output_lane",
     "premium_reserved",
     "reclassify",
     "short_wait_s",
     "tier_from_header_values",
+    "upstream_status_digit",
 )
