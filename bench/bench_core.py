@@ -1,0 +1,95 @@
+"""Micro-benchmarks of the pure core: one admission decision and one poll evaluation.
+
+Run: ``python bench/bench_core.py`` (also part of ``nox -s bench``). Prints medians of several
+repeats; nothing is asserted. Goals (PRODUCT.md): admission <= 10 us, poll evaluation <= 200 us.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import timeit
+from pathlib import Path
+
+from guard_adapters.metrics import parse_metrics
+from guard_core import (
+    BackendPoll,
+    DecisionPublished,
+    GateConfig,
+    GateState,
+    GateView,
+    LearnerState,
+    PolicyConfig,
+    PublishedDecision,
+    SlotReleased,
+    SlotRequested,
+    Tier,
+    apply_gate_event,
+    evaluate,
+)
+from guard_core.decision import DecisionSource, LimitReason, LoadState
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "tests/fixtures/metrics/vllm-0.10-nvcr25.09-qwen3-4b-fp8-idle-after-6req.prom"
+
+
+def median_us(statement: object, number: int, repeat: int = 7) -> float:
+    times = timeit.repeat(statement, number=number, repeat=repeat)  # type: ignore[arg-type]
+    return statistics.median(times) / number * 1e6
+
+
+def admission_pair() -> float:
+    """One admitted request: try-acquire and release, at 100 in flight under cap 256."""
+    gate = GateState.initial(GateConfig(), at=0.0)
+    decision = PublishedDecision(
+        at=0.0, source=DecisionSource.METRICS, cap=256, state=LoadState.GREEN,
+        final_reason=LimitReason.THROUGHPUT,
+    )  # fmt: skip
+    gate = apply_gate_event(gate, DecisionPublished(decision)).state
+    for _ in range(100):
+        gate = apply_gate_event(gate, SlotRequested(0.0, Tier.BASIC)).state
+    request, release = SlotRequested(1.0, Tier.PREMIUM), SlotReleased(1.0, Tier.PREMIUM)
+
+    def once() -> None:
+        state = apply_gate_event(gate, request).state
+        apply_gate_event(state, release)
+
+    return median_us(once, 20_000) / 2
+
+
+def poll_evaluation() -> float:
+    """One steady-state poll: the real vLLM page, counters moving, a learner with history."""
+    sample = parse_metrics(PAGE.read_bytes())
+    learner = LearnerState(config=PolicyConfig())
+    gate = GateView(queue=0, basic_inflight=20, published_cap=50)
+    at = 0.0
+    for step in range(5):
+        at += 1.0
+        moved = sample.__class__(
+            flavour=sample.flavour, running=20.0, waiting=0.0, kv_usage=0.3,
+            preemptions=0.0, generation_tokens=1000.0 * step, ttft=sample.ttft,
+        )  # fmt: skip
+        learner, _ = evaluate(learner, gate, (BackendPoll(name="b", sample=moved),), at=at)
+    polls = (BackendPoll(name="b", sample=moved),)
+
+    def once() -> None:
+        evaluate(learner, gate, polls, at=at + 1.0)
+
+    return median_us(once, 2_000)
+
+
+def main() -> None:
+    build = f"{platform.python_implementation()} {sys.version.split()[0]} ({platform.machine()})"
+    rows = [
+        ("admission decision (gate, per attempt)", admission_pair(), 10.0),
+        ("poll evaluation (learning pipeline)", poll_evaluation(), 200.0),
+    ]
+    print(f"guard_core micro-benchmarks on {build}, median of 7 repeats")
+    print(f"{'what':42} {'us':>9} {'goal us':>8}")
+    for name, value, goal in rows:
+        print(f"{name:42} {value:9.2f} {goal:8.0f}")
+
+
+if __name__ == "__main__":
+    main()

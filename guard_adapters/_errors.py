@@ -1,0 +1,46 @@
+"""Exceptions raised by the adapters when outside input cannot be turned into guard_core values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from guard_core._errors import GuardError
+
+__all__ = ("AdapterError", "ConfigError", "MetricsParseError")
+
+
+class AdapterError(GuardError):
+    """Input from a backend or a client that an adapter refuses to translate."""
+
+
+class MetricsParseError(AdapterError):
+    """A backend's metrics page that cannot be read.
+
+    ``line_no`` is the 1-based number of the offending line (lines are counted by ``\\n``), or
+    ``None`` when the fault concerns the page as a whole (for instance its size). ``reason`` is the
+    bare explanation, without the line prefix that the message carries.
+    """
+
+    def __init__(self, reason: str, line_no: int | None = None) -> None:
+        where = "metrics page" if line_no is None else f"metrics page, line {line_no}"
+        super().__init__(f"{where}: {reason}")
+        self.reason = reason
+        self.line_no = line_no
+
+    def __reduce__(self) -> tuple[type[MetricsParseError], tuple[str, int | None]]:
+        return (type(self), (self.reason, self.line_no))
+
+
+class ConfigError(AdapterError):
+    """Settings that cannot be used.
+
+    ``messages`` holds every problem found, one entry each, each starting with the name of the
+    variable (or the override) it concerns; the string form lists them one per line.
+    """
+
+    def __init__(self, messages: Iterable[str]) -> None:
+        self.messages: tuple[str, ...] = tuple(messages)
+        super().__init__("\n".join(self.messages))
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[tuple[str, ...]]]:
+        return (type(self), (self.messages,))
