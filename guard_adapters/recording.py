@@ -1,0 +1,334 @@
+"""The recording format: what the guard observed, one JSON object per line (docs/recording.md).
+
+Reads: lines of a recording (plain or gzip-compressed JSON Lines) and record values to write.
+Guarantees:
+- the first line is a :class:`Header` naming the format and its version; every later line is
+  one record with ``at`` (seconds since the start of the run, monotonic) and ``kind``;
+- a line that is not valid JSON, not an object, has an unknown ``kind`` or a field of the wrong
+  type is reported as a :class:`RecordingError` with its line number (1-based) and the reason;
+  nothing else is raised while reading;
+- writing never includes secrets: the header's config is whatever the caller passes, and
+  :func:`redact` removes the variables that hold tokens or credentials.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+import attrs
+import cattrs
+from cattrs.strategies import configure_tagged_union
+
+from guard_adapters._errors import AdapterError
+
+__all__ = (
+    "FORMAT",
+    "VERSION",
+    "Arrival",
+    "Completion",
+    "Decision",
+    "FirstToken",
+    "Gone",
+    "Header",
+    "Outcome",
+    "Record",
+    "RecordingError",
+    "Retry",
+    "Scrape",
+    "ScrapeFailed",
+    "decode_line",
+    "encode",
+    "learner_text",
+    "open_for_reading",
+    "open_for_writing",
+    "read_records",
+    "redact",
+)
+
+FORMAT = "inference-guard-recording"
+VERSION = 1
+
+#: Environment variables whose values never go into a recording.
+SECRET_VARIABLES = frozenset(
+    {"TOKEN", "ATTESTATION_NVIDIA_PAYLOAD_AUTHORIZATION", "ATTESTATION_NVIDIA_PAYLOAD"}
+)
+
+
+class RecordingError(AdapterError):
+    """A line of a recording that cannot be used."""
+
+    def __init__(self, line_no: int, reason: str, *, source: str = "") -> None:
+        self.line_no = line_no
+        self.reason = reason
+        self.source = source
+        where = f"{source}:{line_no}" if source else f"line {line_no}"
+        super().__init__(f"{where}: {reason}")
+
+
+@attrs.frozen(kw_only=True)
+class Header:
+    """The first line: what produced the recording and with which settings."""
+
+    KIND: ClassVar[str] = "header"
+    format: str = FORMAT
+    version: int = VERSION
+    #: Wall-clock start of the run (ISO 8601, UTC), for people; ``at`` values are relative.
+    started_at: str = ""
+    #: The producer, e.g. ``inference-guard 0.1.0 serve``.
+    producer: str = ""
+    #: Effective non-secret settings as environment variables.
+    config: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class Scrape:
+    """One backend's metrics page at poll ``poll``: the families the learner reads, verbatim."""
+
+    KIND: ClassVar[str] = "scrape"
+    at: float
+    poll: int
+    backend: str
+    flavour: str
+    text: str
+
+
+@attrs.frozen(kw_only=True)
+class ScrapeFailed:
+    """One backend's metrics could not be fetched or parsed at poll ``poll``."""
+
+    KIND: ClassVar[str] = "scrape_failed"
+    at: float
+    poll: int
+    backend: str
+    error: str
+
+
+@attrs.frozen(kw_only=True)
+class Arrival:
+    """An admitted-path request asked for a slot."""
+
+    KIND: ClassVar[str] = "arrival"
+    at: float
+    id: int
+    tier: str
+    path: str = ""
+    body_bytes: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Retry:
+    """A waiting request tried again."""
+
+    KIND: ClassVar[str] = "retry"
+    at: float
+    id: int
+
+
+@attrs.frozen(kw_only=True)
+class Gone:
+    """A waiting request's client left."""
+
+    KIND: ClassVar[str] = "gone"
+    at: float
+    id: int
+
+
+@attrs.frozen(kw_only=True)
+class Outcome:
+    """How an attempt ended: ``forwarded`` or ``rejected`` (with the internal code)."""
+
+    KIND: ClassVar[str] = "outcome"
+    at: float
+    id: int
+    outcome: str
+    code: str | None = None
+    waited_s: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class FirstToken:
+    """A streamed response's first useful token, ``seconds`` after the request arrived."""
+
+    KIND: ClassVar[str] = "first_token"
+    at: float
+    id: int
+    seconds: float
+
+
+@attrs.frozen(kw_only=True)
+class Completion:
+    """A forwarded request finished; ``status`` is what the client got (499: client left)."""
+
+    KIND: ClassVar[str] = "completion"
+    at: float
+    id: int
+    status: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Decision:
+    """What the guard published after poll ``poll``."""
+
+    KIND: ClassVar[str] = "decision"
+    at: float
+    poll: int
+    cap: int
+    state: str
+    reason: str
+    yellow: list[str] = attrs.field(factory=list)
+    red: list[str] = attrs.field(factory=list)
+    source: str = "metrics"
+
+
+Record = (
+    Scrape | ScrapeFailed | Arrival | Retry | Gone | Outcome | FirstToken | Completion | Decision
+)
+
+_KINDS = frozenset(
+    cls.KIND
+    for cls in (
+        Scrape,
+        ScrapeFailed,
+        Arrival,
+        Retry,
+        Gone,
+        Outcome,
+        FirstToken,
+        Completion,
+        Decision,
+    )
+)
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _kind_of(cls: type) -> str:
+    kind: str = getattr(cls, "KIND")  # noqa: B009 - a ClassVar of every record class
+    return kind
+
+
+configure_tagged_union(Record, _converter, tag_generator=_kind_of, tag_name="kind")
+
+
+def encode(record: Record | Header) -> bytes:
+    """One line of the recording, newline included."""
+    if isinstance(record, Header):
+        payload: dict[str, Any] = {"kind": Header.KIND, **_converter.unstructure(record)}
+    else:
+        payload = _converter.unstructure(record, Record)
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+def decode_line(line: bytes | str, *, line_no: int, source: str = "") -> Record | Header:
+    """Parse one line; raise :class:`RecordingError` naming the line when it is unusable."""
+    try:
+        payload = json.loads(line)
+    except ValueError as exc:
+        raise RecordingError(line_no, f"not JSON ({exc})", source=source) from None
+    if not isinstance(payload, dict):
+        raise RecordingError(line_no, "not a JSON object", source=source)
+    kind = payload.get("kind")
+    if kind == Header.KIND:
+        body = {k: v for k, v in payload.items() if k != "kind"}
+        try:
+            return _converter.structure(body, Header)
+        except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
+            raise RecordingError(line_no, f"bad header: {_describe(exc)}", source=source) from None
+    if kind not in _KINDS:
+        raise RecordingError(line_no, f"unknown kind {kind!r}", source=source)
+    at = payload.get("at")
+    if not isinstance(at, int | float) or isinstance(at, bool) or math.isnan(at):
+        raise RecordingError(line_no, "missing or non-numeric 'at'", source=source)
+    try:
+        return _converter.structure(payload, Record)  # type: ignore[arg-type]
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
+        raise RecordingError(
+            line_no, f"bad {kind!r} record: {_describe(exc)}", source=source
+        ) from None
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, cattrs.BaseValidationError):
+        return "; ".join(cattrs.transform_error(exc))
+    return str(exc) or type(exc).__name__
+
+
+def read_records(
+    lines: Iterable[bytes | str], *, strict: bool = False, source: str = ""
+) -> Iterator[Record | Header | RecordingError]:
+    """Decode every line. Errors are yielded (or raised when ``strict``) and reading goes on."""
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield decode_line(line, line_no=line_no, source=source)
+        except RecordingError as error:
+            if strict:
+                raise
+            yield error
+
+
+def _is_gzip(path: Path) -> bool:
+    with path.open("rb") as raw:
+        return raw.read(2) == b"\x1f\x8b"
+
+
+def open_for_reading(path: str | Path) -> IO[bytes]:
+    """A binary stream of the recording's lines, decompressing gzip transparently."""
+    path = Path(path)
+    if _is_gzip(path):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return path.open("rb")
+
+
+def open_for_writing(path: str | Path) -> IO[bytes]:
+    """A binary stream to write lines to; gzip-compressed when the name ends in ``.gz``."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        # mtime 0 keeps the output byte-for-byte reproducible for the same records.
+        return gzip.GzipFile(filename=path, mode="wb", mtime=0)  # type: ignore[return-value]
+    return io.BufferedWriter(io.FileIO(path, "w"))
+
+
+def learner_text(page: str, families: Iterable[str]) -> str:
+    """The lines of ``page`` that belong to ``families`` (with their HELP and TYPE comments).
+
+    A recording keeps only what the learner reads, verbatim, so a replay parses exactly what the
+    live guard parsed while the file stays small. Histogram families keep their ``_bucket``,
+    ``_count`` and ``_sum`` lines; ``_created`` lines are dropped.
+    """
+    wanted = frozenset(families)
+    kept = []
+    for line in page.split("\n"):
+        stripped = line.lstrip()
+        if stripped.startswith("#"):
+            fields = stripped.split(None, 3)
+            name = fields[2] if len(fields) > 2 and fields[1] in ("HELP", "TYPE") else ""
+        else:
+            end = len(stripped)
+            for stop in ("{", " ", "\t"):
+                found = stripped.find(stop)
+                if found != -1:
+                    end = min(end, found)
+            name = stripped[:end]
+            for suffix in ("_bucket", "_count", "_sum"):
+                if name.endswith(suffix) and name.removesuffix(suffix) in wanted:
+                    name = name.removesuffix(suffix)
+                    break
+        if name in wanted:
+            kept.append(line)
+    return "\n".join(kept) + "\n" if kept else ""
+
+
+def redact(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings safe to record: secrets and unrelated variables removed."""
+    return {
+        name: value
+        for name, value in sorted(environ.items())
+        if name not in SECRET_VARIABLES and not name.endswith("_AUTHORIZATION")
+    }
