@@ -50,3 +50,22 @@ def typing(session: nox.Session) -> None:
     """mypy: strict on guard_core, checked everywhere else (see pyproject.toml)."""
     session.install("-e", ".[dev]")
     session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def replay(session: nox.Session) -> None:
+    """Replay a recording: ``nox -s replay -- FILE [--set VAR=VALUE ...] [--diff]``.
+
+    Without arguments it replays the example recording in tests/fixtures/recordings.
+    """
+    session.install("-e", ".")
+    args = session.posargs or ["tests/fixtures/recordings/example-vllm-overload.jsonl.gz"]
+    session.run("inference-guard", "replay", *args)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks that print tables (nothing is asserted): parsers and the pure core."""
+    session.install("-e", ".[bench]")
+    session.run("python", "bench/bench_metrics_parse.py")
+    session.run("python", "bench/bench_core.py")

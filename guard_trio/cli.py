@@ -1,15 +1,17 @@
 """The ``inference-guard`` command line.
 
-Subcommands are added as they are built; running with no subcommand prints the ones available.
+Subcommands are added as they are built; running with no subcommand prints the ones available:
+``replay`` and ``record`` today (``serve``, ``sim-backend``, ``simulate`` and ``demo`` follow).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from guard_trio import __version__
+from guard_trio import __version__, _record, _replay_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,7 +20,9 @@ def _parser() -> argparse.ArgumentParser:
         description="QoS proxy for vLLM and SGLang backends.",
     )
     parser.add_argument("--version", action="version", version=f"inference-guard {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _replay_cli.add_parser(subparsers)
+    _record.add_parser(subparsers)
     return parser
 
 
@@ -29,7 +33,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    return 0  # pragma: no cover - no subcommand is registered yet
+    try:
+        result: int = args.handler(args)
+    except BrokenPipeError:
+        # The reader went away (e.g. piped into head): stop quietly, like other Unix tools.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return result
 
 
 if __name__ == "__main__":  # pragma: no cover

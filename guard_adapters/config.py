@@ -1,0 +1,827 @@
+"""PIG's environment variables turned into validated settings and guard_core configs (spec 2).
+
+Reads: a mapping of environment variables, always passed in (``os.environ`` is never touched
+here). Only the variables listed in :data:`VARIABLES` are looked at; everything else in the
+environment is ignored. ``--set VAR=VALUE`` overrides are merged with :func:`apply_overrides`.
+
+Guarantees:
+- :func:`load_config` either returns a :class:`Settings` or raises one
+  :class:`~guard_adapters._errors.ConfigError` that lists every problem at once, unparsable
+  values and out-of-range or inconsistent values alike, each message starting with the name of
+  the variable it concerns. Nothing else is raised for any mapping of strings.
+- Values follow PIG's reading rules: an empty value means the default; integers are plain ASCII
+  integers with an optional sign and nothing around them; floats are finite numbers in decimal
+  notation (sign, fraction and exponent optional, nothing around them); booleans are trimmed
+  and case-blind (1, true, yes, y, on and 0, false, no, n, off); lists are split on ``,`` with
+  each part trimmed and empty parts dropped. A boolean, list or state made only of spaces is
+  also treated as empty.
+- Defaults are PIG's, including the ones that follow another variable (the state caps, the
+  running red threshold and the enable flags of the dynamic stages), and a non-positive TTFT
+  threshold falls back to its default.
+- Backends are resolved by spec 2.1 rules 1-5; every upstream is an http(s) URL with a host and
+  no query or fragment, and so is every metrics URL whenever dynamic mode is on.
+- :meth:`Settings.guard_config` never raises for a loaded :class:`Settings`: every range the core
+  checks is checked here first, with the variable's name in the message.
+- :meth:`Settings.redacted` never contains a secret: the token is replaced and passwords inside
+  URLs are masked.
+
+Adding a variable: add one field to :class:`Environment` (named after the variable in lower
+case, with PIG's default) and, when it has a range, one line in :func:`_problems`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import attrs
+import cattrs
+from cattrs.gen import make_dict_structure_fn, override
+
+from guard_adapters._errors import ConfigError
+from guard_core.decision import LoadState
+from guard_core.gate import GateConfig
+from guard_core.guard import GuardConfig
+from guard_core.policy import PolicyConfig
+from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
+from guard_core.signal_state import SignalThresholds
+
+__all__ = (
+    "REDACTED",
+    "VARIABLES",
+    "Backend",
+    "ConfigError",
+    "Environment",
+    "Settings",
+    "apply_overrides",
+    "load_config",
+)
+
+#: What :meth:`Settings.redacted` shows in place of a secret.
+REDACTED: Final = "<redacted>"
+
+#: Metadata key marking a field whose value must never be shown.
+_SECRET: Final = "secret"
+
+_DEFAULT_UPSTREAM: Final = "http://backend:8000"
+_TTFT_TARGET_S: Final = 1.0
+_TTFT_RED_S: Final = 3.0
+_TTFT_P99_TARGET_S: Final = 3.0
+_TTFT_P99_RED_S: Final = 8.0
+#: ``PIG_QUEUE_POLL_MS`` handed to the gate when the configured one is not positive (which is
+#: only allowed while the wait is 0): ten times it is PIG's 250 ms fallback re-check.
+_FALLBACK_POLL_MS: Final = 25
+
+
+# PIG reads a TTFT threshold that is not positive as its default.
+def _ttft_target(value: float) -> float:
+    return value if value > 0 else _TTFT_TARGET_S
+
+
+def _ttft_red(value: float) -> float:
+    return value if value > 0 else _TTFT_RED_S
+
+
+def _ttft_p99_target(value: float) -> float:
+    return value if value > 0 else _TTFT_P99_TARGET_S
+
+
+def _ttft_p99_red(value: float) -> float:
+    return value if value > 0 else _TTFT_P99_RED_S
+
+
+def _dynamic_default(env: Environment) -> bool:
+    return bool(_resolve_routing(env).metrics_urls)
+
+
+def _follows(name: str) -> Any:
+    """A default equal to the (already set) field ``name`` of the same instance."""
+    return attrs.Factory(lambda env: getattr(env, name), takes_self=True)
+
+
+@attrs.frozen(kw_only=True)
+class Environment:
+    """The effective value of every variable read, after parsing and defaulting.
+
+    Each field is named after its variable in lower case and holds PIG's default when the
+    variable is unset or empty. Building one validates nothing beyond the types; ranges and
+    cross-variable rules are checked by :meth:`Settings.from_environment`. Field order matters:
+    a default that follows another variable comes after it.
+    """
+
+    # -- spec 2.1: core and routing
+    listen: str = ":8000"
+    upstream: str = _DEFAULT_UPSTREAM
+    upstreams: tuple[str, ...] = ()
+    backends: tuple[str, ...] = ()
+    token: str = attrs.field(default="", repr=False, metadata={_SECRET: True})
+    global_limit: int = 512
+    pig_paths: tuple[str, ...] = DEFAULT_QOS_PATHS
+    pig_path_suffix_match: bool = False
+    proxy_timeout_seconds: int = 1800
+    pig_status_log_interval_seconds: int = 5
+    pig_queue_wait_seconds: float = 0.5
+    pig_queue_poll_ms: int = 100
+    # -- inference-guard's own (PRODUCT.md)
+    pig_retry_after_seconds: int = 1
+    pig_drain_seconds: float = 30.0
+    pig_record_path: str = ""
+    # -- spec 2.6: dynamic QoS
+    dynamic_metrics_url: str = ""
+    dynamic_metrics_urls: tuple[str, ...] = ()
+    dynamic_pig_enabled: bool = attrs.field(
+        default=attrs.Factory(_dynamic_default, takes_self=True)
+    )
+    dynamic_pig_enforce: bool = _follows("dynamic_pig_enabled")
+    dynamic_poll_interval_ms: int = 1000
+    dynamic_failsafe_state: LoadState = LoadState.YELLOW
+    dynamic_global_green_limit: int = _follows("global_limit")
+    dynamic_global_yellow_limit: int = _follows("dynamic_global_green_limit")
+    dynamic_global_red_limit: int = _follows("dynamic_global_yellow_limit")
+    dynamic_kv_yellow: float = 0.70
+    dynamic_kv_red: float = 0.80
+    dynamic_running_yellow: int = 0
+    dynamic_running_red: int = _follows("dynamic_running_yellow")
+    dynamic_waiting_yellow: int = 1
+    dynamic_waiting_red: int = 2
+    dynamic_preemption_delta_red: int = 1
+    dynamic_pressure_limit_enabled: bool = _follows("dynamic_pig_enabled")
+    dynamic_pressure_headroom: int = 1
+    dynamic_pressure_min_limit: int = 1
+    dynamic_pressure_learn_ratio: float = 0.75
+    dynamic_pressure_learn_min_running: int = 16
+    dynamic_single_user_tps_enabled: bool = _follows("dynamic_pig_enabled")
+    dynamic_single_user_tps_yellow: float = 25.0
+    dynamic_single_user_tps_red: float = 20.0
+    dynamic_single_user_tps_min_running: int = 1
+    dynamic_single_user_tps_yellow_consecutive: int = 2
+    dynamic_single_user_tps_red_consecutive: int = 3
+    dynamic_single_user_tps_prefill_grace_min_seconds: float = 2.0
+    dynamic_single_user_tps_prefill_grace_max_seconds: float = 30.0
+    dynamic_single_user_tps_prefill_grace_body_bytes_per_second: float = 65536.0
+    dynamic_single_user_tps_prefill_grace_multiplier: float = 1.0
+    dynamic_single_user_tps_capacity_ratio: float = 0.42
+    dynamic_single_user_tps_capacity_ratio_max: float = 0.85
+    dynamic_single_user_tps_capacity_smoothing: float = 0.85
+    dynamic_single_user_tps_capacity_learn_enabled: bool = _follows("dynamic_pig_enabled")
+    dynamic_single_user_tps_capacity_ratio_step_up: float = 0.02
+    dynamic_single_user_tps_capacity_healthy_consecutive: int = 10
+    dynamic_single_user_tps_capacity_healthy_multiplier: float = 1.5
+    dynamic_ttft_enabled: bool = _follows("dynamic_single_user_tps_enabled")
+    dynamic_ttft_target_seconds: float = attrs.field(default=_TTFT_TARGET_S, converter=_ttft_target)
+    dynamic_ttft_red_seconds: float = attrs.field(default=_TTFT_RED_S, converter=_ttft_red)
+    dynamic_ttft_p99_target_seconds: float = attrs.field(
+        default=_TTFT_P99_TARGET_S, converter=_ttft_p99_target
+    )
+    dynamic_ttft_p99_red_seconds: float = attrs.field(
+        default=_TTFT_P99_RED_S, converter=_ttft_p99_red
+    )
+
+
+def _variable(attribute: attrs.Attribute[Any]) -> str:
+    return attribute.name.upper()
+
+
+attrs.resolve_types(Environment)
+_FIELDS: Final[dict[str, attrs.Attribute[Any]]] = {
+    _variable(a): a for a in attrs.fields(Environment)
+}
+#: Every environment variable read, in a stable order.
+VARIABLES: Final[tuple[str, ...]] = tuple(_FIELDS)
+_F = attrs.fields(Environment)
+
+
+@attrs.frozen
+class Backend:
+    """One upstream the guard forwards to, with the metrics URL polled for it, if any."""
+
+    name: str
+    upstream: str
+    metrics_url: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Settings:
+    """Validated settings: every variable's value plus what is derived from several of them.
+
+    Build with :func:`load_config` or :meth:`from_environment`; both check everything.
+    """
+
+    #: The effective value of every variable.
+    env: Environment
+    #: The backends in configuration order (spec 2.1 rules 1-3).
+    backends: tuple[Backend, ...]
+    #: Per-backend polling and scoring (rule 4): ``BACKENDS``/``UPSTREAMS`` gave more than one.
+    backend_routing: bool
+    #: The metrics URLs polled; outside backend routing they are summed as one signal.
+    metrics_urls: tuple[str, ...]
+    #: ``PIG_PATHS`` with ``PIG_PATH_SUFFIX_MATCH``.
+    paths: PathPolicy
+    #: ``LISTEN`` split into host ("" means every interface) and port.
+    listen_host: str
+    listen_port: int
+
+    @classmethod
+    def from_environment(cls, env: Environment) -> Settings:
+        """Check every range and cross-variable rule; raise one ConfigError listing them all."""
+        problems = _problems(env)
+        if problems:
+            raise ConfigError(str(p) for p in problems)
+        routing = _resolve_routing(env)
+        listen = _split_listen(env.listen)
+        assert listen is not None  # checked by _problems
+        return cls(
+            env=env,
+            backends=routing.backends,
+            backend_routing=routing.backend_routing,
+            metrics_urls=routing.metrics_urls,
+            paths=PathPolicy(env.pig_paths, env.pig_path_suffix_match),
+            listen_host=listen[0],
+            listen_port=listen[1],
+        )
+
+    @property
+    def dynamic_enabled(self) -> bool:
+        """``DYNAMIC_PIG_ENABLED``: the metrics poller and the learner run."""
+        return self.env.dynamic_pig_enabled
+
+    @property
+    def dynamic_enforced(self) -> bool:
+        """The gate uses the learned cap: dynamic mode is both enabled and enforced."""
+        return self.env.dynamic_pig_enabled and self.env.dynamic_pig_enforce
+
+    def guard_config(self) -> GuardConfig:
+        """The pure core's settings."""
+        env = self.env
+        poll_ms = env.pig_queue_poll_ms if env.pig_queue_poll_ms > 0 else _FALLBACK_POLL_MS
+        gate = GateConfig(
+            global_limit=env.global_limit,
+            dynamic=self.dynamic_enforced,
+            queue_wait_s=env.pig_queue_wait_seconds,
+            queue_poll_ms=poll_ms,
+            kv_red=env.dynamic_kv_red,
+            waiting_red=env.dynamic_waiting_red,
+        )
+        signals = SignalThresholds.from_global_limit(
+            env.global_limit,
+            green=env.dynamic_global_green_limit,
+            yellow=env.dynamic_global_yellow_limit,
+            red=env.dynamic_global_red_limit,
+            kv_yellow=env.dynamic_kv_yellow,
+            kv_red=env.dynamic_kv_red,
+            running_yellow=env.dynamic_running_yellow,
+            running_red=env.dynamic_running_red,
+            waiting_yellow=env.dynamic_waiting_yellow,
+            waiting_red=env.dynamic_waiting_red,
+            preemption_delta_red=env.dynamic_preemption_delta_red,
+        )
+        policy = PolicyConfig(
+            global_limit=env.global_limit,
+            signals=signals,
+            pressure_enabled=env.dynamic_pressure_limit_enabled,
+            pressure_headroom=env.dynamic_pressure_headroom,
+            pressure_min_limit=env.dynamic_pressure_min_limit,
+            pressure_learn_ratio=env.dynamic_pressure_learn_ratio,
+            pressure_learn_min_running=env.dynamic_pressure_learn_min_running,
+            user_tps_enabled=env.dynamic_single_user_tps_enabled,
+            user_tps_yellow=env.dynamic_single_user_tps_yellow,
+            user_tps_red=env.dynamic_single_user_tps_red,
+            user_tps_min_running=env.dynamic_single_user_tps_min_running,
+            user_tps_yellow_consecutive=env.dynamic_single_user_tps_yellow_consecutive,
+            user_tps_red_consecutive=env.dynamic_single_user_tps_red_consecutive,
+            prefill_grace_min_s=env.dynamic_single_user_tps_prefill_grace_min_seconds,
+            prefill_grace_max_s=env.dynamic_single_user_tps_prefill_grace_max_seconds,
+            prefill_grace_bytes_per_s=(
+                env.dynamic_single_user_tps_prefill_grace_body_bytes_per_second
+            ),
+            prefill_grace_multiplier=env.dynamic_single_user_tps_prefill_grace_multiplier,
+            capacity_ratio=env.dynamic_single_user_tps_capacity_ratio,
+            capacity_ratio_max=env.dynamic_single_user_tps_capacity_ratio_max,
+            capacity_smoothing=env.dynamic_single_user_tps_capacity_smoothing,
+            capacity_learn_enabled=env.dynamic_single_user_tps_capacity_learn_enabled,
+            capacity_step_up=env.dynamic_single_user_tps_capacity_ratio_step_up,
+            capacity_healthy_consecutive=env.dynamic_single_user_tps_capacity_healthy_consecutive,
+            capacity_healthy_multiplier=env.dynamic_single_user_tps_capacity_healthy_multiplier,
+            ttft_enabled=env.dynamic_ttft_enabled,
+            ttft_target_s=env.dynamic_ttft_target_seconds,
+            ttft_red_s=env.dynamic_ttft_red_seconds,
+            ttft_p99_target_s=env.dynamic_ttft_p99_target_seconds,
+            ttft_p99_red_s=env.dynamic_ttft_p99_red_seconds,
+        )
+        return GuardConfig(
+            gate=gate,
+            policy=policy,
+            learning=env.dynamic_pig_enabled,
+            failsafe=env.dynamic_failsafe_state,
+        )
+
+    def redacted(self) -> dict[str, str]:
+        """Every variable's effective value, written as the environment would hold it.
+
+        Loading the result again gives the same settings, except that a set secret reads
+        :data:`REDACTED` (an unset one stays empty) and URL passwords are masked.
+        """
+        shown: dict[str, str] = {}
+        for name, attribute in _FIELDS.items():
+            text = _as_text(getattr(self.env, attribute.name))
+            if attribute.metadata.get(_SECRET):
+                shown[name] = REDACTED if text else ""
+            else:
+                shown[name] = _mask_passwords(text)
+        return shown
+
+
+def load_config(environ: Mapping[str, str]) -> Settings:
+    """Read, check and resolve the settings in ``environ``; see the module notes."""
+    raw = {
+        name: value
+        for name, value in environ.items()
+        if name in _FIELDS and not _is_empty(name, value)
+    }
+    messages: list[str] = []
+    unreadable: set[str] = set()
+    env: Environment | None = None
+    while env is None:
+        try:
+            env = _converter.structure(raw, Environment)
+        except cattrs.BaseValidationError as error:
+            found = _parse_messages(error)
+            messages.extend(message for _, message in found)
+            failed = {name for name, _ in found if name in raw}
+            if not failed:
+                raise ConfigError(messages) from None
+            unreadable |= failed
+            # Check the rest with the unreadable variables at their defaults.
+            raw = {name: value for name, value in raw.items() if name not in failed}
+    if not messages:
+        return Settings.from_environment(env)
+    messages.extend(
+        str(problem) for problem in _problems(env) if unreadable.isdisjoint(problem.variables)
+    )
+    raise ConfigError(messages)
+
+
+def apply_overrides(environ: Mapping[str, str], overrides: Sequence[str]) -> dict[str, str]:
+    """``environ`` with each ``VAR=VALUE`` applied in order (a later one wins).
+
+    The value may be empty (meaning "the default") and may itself contain ``=``. An override
+    without ``=``, or whose name is empty or contains spaces, is malformed; all malformed ones
+    are reported in one :class:`ConfigError` and nothing is applied.
+    """
+    merged = dict(environ)
+    malformed: list[str] = []
+    for item in overrides:
+        name, equals, value = item.partition("=")
+        if not equals or not name or any(ch.isspace() for ch in name):
+            malformed.append(f"--set {_shown(item)}: expected VAR=VALUE with a variable name")
+            continue
+        merged[name] = value
+    if malformed:
+        raise ConfigError(malformed)
+    return merged
+
+
+# -- reading single values ---------------------------------------------------------------------
+
+_PLAIN_INT = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_NON_FINITE = re.compile(r"[+-]?(?:inf|infinity|nan)", re.IGNORECASE)
+_INT64 = 2**63
+_TRUE = frozenset({"1", "true", "yes", "y", "on"})
+_FALSE = frozenset({"0", "false", "no", "n", "off"})
+_STATES = {state.value: state for state in (LoadState.GREEN, LoadState.YELLOW, LoadState.RED)}
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected text, got {type(value).__name__}")
+    return value
+
+
+def _read_int(value: object, _type: object) -> int:
+    text = _text(value)
+    if not _PLAIN_INT.fullmatch(text):
+        raise ValueError(f"expected a plain integer, got {_shown(text)}")
+    # Checking the length first keeps int() away from its limit on very long digit strings.
+    digits = text.lstrip("+-").lstrip("0")
+    if len(digits) > 19 or not -_INT64 <= int(text) < _INT64:
+        raise ValueError(f"integer out of range, got {_shown(text)}")
+    return int(text)
+
+
+def _read_float(value: object, _type: object) -> float:
+    text = _text(value)
+    if _NON_FINITE.fullmatch(text):
+        raise ValueError(f"expected a finite number, got {_shown(text)}")
+    if not _DECIMAL.fullmatch(text):
+        raise ValueError(f"expected a number, got {_shown(text)}")
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"number out of range, got {_shown(text)}")
+    return number
+
+
+def _read_bool(value: object, _type: object) -> bool:
+    word = _text(value).strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError(
+        f"expected a boolean (1/true/yes/y/on or 0/false/no/n/off), got {_shown(value)}"
+    )
+
+
+def _read_csv(value: object, _type: object) -> tuple[str, ...]:
+    return tuple(part for part in (p.strip() for p in _text(value).split(",")) if part)
+
+
+def _read_state(value: object, _type: object) -> LoadState:
+    word = _text(value).strip().lower()
+    if word not in _STATES:
+        raise ValueError(f"expected green, yellow or red, got {_shown(value)}")
+    return _STATES[word]
+
+
+def _read_str(value: object, _type: object) -> str:
+    return _text(value)
+
+
+def _build_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    converter.register_structure_hook(int, _read_int)
+    converter.register_structure_hook(float, _read_float)
+    converter.register_structure_hook(bool, _read_bool)
+    converter.register_structure_hook(str, _read_str)
+    converter.register_structure_hook(LoadState, _read_state)
+    converter.register_structure_hook_func(lambda t: t == tuple[str, ...], _read_csv)
+    renames: dict[str, Any] = {
+        a.name: override(rename=_variable(a)) for a in attrs.fields(Environment)
+    }
+    converter.register_structure_hook(
+        Environment, make_dict_structure_fn(Environment, converter, **renames)
+    )
+    return converter
+
+
+_converter: Final = _build_converter()
+
+
+def _is_empty(name: str, value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    field_type = _FIELDS[name].type
+    if field_type in (bool, LoadState) or field_type == tuple[str, ...]:
+        return not value.strip()
+    return value == ""
+
+
+def _describe(error: BaseException, _type: object) -> str:
+    if isinstance(error, ValueError | TypeError):
+        return str(error)
+    return f"cannot be read ({type(error).__name__})"
+
+
+def _parse_messages(error: cattrs.BaseValidationError) -> list[tuple[str, str]]:
+    """(variable, message) for each value cattrs could not structure."""
+    found: list[tuple[str, str]] = []
+    for line in cattrs.transform_error(error, path="$", format_exception=_describe):
+        text, _, path = line.rpartition(" @ ")
+        name = path.removeprefix("$.").upper()
+        if name in _FIELDS:
+            if _FIELDS[name].metadata.get(_SECRET):
+                text = "cannot be read"
+            found.append((name, f"{name}: {text}"))
+        else:
+            found.append(("", f"configuration: {line}"))
+    return found
+
+
+def _as_text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, LoadState):
+        return value.value
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
+
+
+_USERINFO_PASSWORD = re.compile(r"(://[^/?#@:\s,|]*:)[^/?#@\s,|]*@")
+
+
+def _mask_passwords(text: str) -> str:
+    return _USERINFO_PASSWORD.sub(rf"\1{REDACTED}@", text)
+
+
+# -- backend resolution (spec 2.1 rules 1-4) ---------------------------------------------------
+
+
+@attrs.frozen
+class _Routing:
+    backends: tuple[Backend, ...]
+    backend_routing: bool
+    metrics_urls: tuple[str, ...]
+    #: The variable the backend list came from, and the one the metrics URLs came from.
+    backend_source: str
+    metrics_source: str
+
+
+def _clean_url(text: str) -> str:
+    return text.strip().rstrip("/")
+
+
+def _url_list(texts: Iterable[str]) -> tuple[str, ...]:
+    """Trimmed, without trailing slashes, without empties and repeats, in first-seen order."""
+    return tuple(dict.fromkeys(url for url in map(_clean_url, texts) if url))
+
+
+def _parse_backend_entries(entries: tuple[str, ...]) -> tuple[Backend, ...]:
+    backends = []
+    for number, entry in enumerate(entries, start=1):
+        name, equals, body = entry.partition("=")
+        if not equals:
+            name, body = f"backend{number}", entry
+        upstream, bar, rest = body.partition("|")
+        # Parts after a second '|' are ignored, as PIG does.
+        metrics = _clean_url(rest.partition("|")[0]) if bar else ""
+        backends.append(Backend(name.strip(), _clean_url(upstream), metrics or None))
+    return tuple(backends)
+
+
+def _resolve_routing(env: Environment) -> _Routing:
+    if env.dynamic_metrics_urls:
+        metrics_source = "DYNAMIC_METRICS_URLS"
+        metrics = _url_list(env.dynamic_metrics_urls)
+    else:
+        metrics_source = "DYNAMIC_METRICS_URL"
+        metrics = _url_list((env.dynamic_metrics_url,))
+    listed = bool(env.backends or env.upstreams)
+    if env.backends:
+        source = "BACKENDS"
+        backends = _parse_backend_entries(env.backends)
+    else:
+        source = "UPSTREAMS"
+        upstreams = _url_list(env.upstreams)
+        if not upstreams:
+            source = "UPSTREAM"
+            single = _clean_url(env.upstream)
+            upstreams = (single,) if single else ()
+        backends = tuple(
+            Backend(f"backend{i + 1}", url, metrics[i] if i < len(metrics) else None)
+            for i, url in enumerate(upstreams)
+        )
+    if listed:
+        own = _url_list(b.metrics_url for b in backends if b.metrics_url)
+        if own:
+            metrics = own
+            if env.backends:
+                metrics_source = "BACKENDS"
+    return _Routing(
+        backends=backends,
+        backend_routing=listed and len(backends) > 1,
+        metrics_urls=metrics,
+        backend_source=source,
+        metrics_source=metrics_source,
+    )
+
+
+def _url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be an upstream or metrics URL, or None when it can."""
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        return "must not contain spaces or control characters"
+    try:
+        parts = urlsplit(url)
+        _ = parts.port
+    except ValueError:
+        return "is not a valid URL"
+    if parts.scheme not in ("http", "https"):
+        return "must start with http:// or https://"
+    if not parts.hostname:
+        return "must include a host"
+    if "?" in url or "#" in url:
+        return "must not include a query string or fragment"
+    return None
+
+
+def _split_listen(text: str) -> tuple[str, int] | None:
+    """``host:port`` (``[v6]:port`` for IPv6; the host may be empty), or None."""
+    host, colon, port = text.rpartition(":")
+    if not colon or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if not host or "[" in host or "]" in host:
+            return None
+    elif ":" in host or "[" in host or "]" in host:
+        return None
+    if any(ch.isspace() or not ch.isprintable() for ch in host):
+        return None
+    return host, int(port)
+
+
+# -- ranges and cross-variable rules -----------------------------------------------------------
+
+
+@attrs.frozen
+class _Problem:
+    #: The variables involved; the first one leads the message.
+    variables: tuple[str, ...]
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.variables[0]}: {self.text}"
+
+
+def _number(value: float) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+class _Checks:
+    """Collects problems instead of stopping at the first; one method per kind of rule."""
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+        self.found: list[_Problem] = []
+
+    def add(self, variables: Iterable[str], text: str) -> None:
+        self.found.append(_Problem(tuple(variables), text))
+
+    def _value(self, field: attrs.Attribute[Any]) -> Any:
+        return getattr(self.env, field.name)
+
+    def at_least(
+        self,
+        field: attrs.Attribute[Any],
+        bound: float,
+        *,
+        unless_same_as: attrs.Attribute[Any] | None = None,
+    ) -> None:
+        """``unless_same_as`` names the variable this one follows by default: while the two are
+        equal, that variable's own check already reports the value."""
+        value = self._value(field)
+        if unless_same_as is not None and value == self._value(unless_same_as):
+            return
+        if not value >= bound:
+            self.add([_variable(field)], f"must be >= {bound}, got {_number(value)}")
+
+    def above(self, field: attrs.Attribute[Any], bound: float) -> None:
+        value = self._value(field)
+        if not value > bound:
+            self.add([_variable(field)], f"must be > {bound}, got {_number(value)}")
+
+    def within(
+        self,
+        field: attrs.Attribute[Any],
+        low: float,
+        high: float,
+        *,
+        low_open: bool = False,
+        high_open: bool = False,
+    ) -> None:
+        value = self._value(field)
+        low_ok = value > low if low_open else value >= low
+        high_ok = value < high if high_open else value <= high
+        if not (low_ok and high_ok):
+            interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+            self.add([_variable(field)], f"must be in {interval}, got {_number(value)}")
+
+    def not_above(self, low: attrs.Attribute[Any], high: attrs.Attribute[Any]) -> None:
+        low_value, high_value = self._value(low), self._value(high)
+        if low_value > high_value:
+            self.add(
+                [_variable(low), _variable(high)],
+                f"must not be above {_variable(high)} ({_number(high_value)}),"
+                f" got {_number(low_value)}",
+            )
+
+
+def _path_problems(checks: _Checks) -> None:
+    paths = checks.env.pig_paths
+    if not paths:
+        checks.add(["PIG_PATHS"], "must name at least one path")
+    seen: set[str] = set()
+    for path in paths:
+        try:
+            PathPolicy((path,))
+        except ValueError:
+            checks.add(
+                ["PIG_PATHS"],
+                f"{_shown(path)} must start with '/' and use only letters, digits, '_', '.',"
+                " '-' and '/'",
+            )
+        if path in seen:
+            checks.add(["PIG_PATHS"], f"{_shown(path)} is listed twice")
+        seen.add(path)
+
+
+def _routing_problems(checks: _Checks, routing: _Routing) -> None:
+    source = routing.backend_source
+    if not routing.backends:
+        checks.add([source], "no backend configured")
+    names: set[str] = set()
+    for number, backend in enumerate(routing.backends, start=1):
+        label = f"backend {_shown(backend.name)}" if backend.name else f"entry {number}"
+        if not backend.name:
+            checks.add([source], f"entry {number} has an empty name")
+        elif not backend.name.isprintable():
+            checks.add([source], f"{label} has control characters in its name")
+        elif backend.name in names:
+            checks.add([source], f"{label} is named twice")
+        names.add(backend.name)
+        reason = _url_problem(backend.upstream)
+        if reason is not None:
+            where = "" if source == "UPSTREAM" else f"{label}: "
+            checks.add(
+                [source], f"{where}upstream {_shown(_mask_passwords(backend.upstream))} {reason}"
+            )
+    if not checks.env.dynamic_pig_enabled:
+        return
+    if not routing.metrics_urls:
+        checks.add(
+            ["DYNAMIC_PIG_ENABLED", "DYNAMIC_METRICS_URL", "DYNAMIC_METRICS_URLS"],
+            "dynamic mode needs at least one metrics URL"
+            " (DYNAMIC_METRICS_URL, DYNAMIC_METRICS_URLS or BACKENDS)",
+        )
+    for url in routing.metrics_urls:
+        reason = _url_problem(url)
+        if reason is not None:
+            checks.add(
+                [routing.metrics_source, "DYNAMIC_PIG_ENABLED"],
+                f"metrics URL {_shown(_mask_passwords(url))} {reason}",
+            )
+
+
+def _problems(env: Environment) -> list[_Problem]:
+    """Every range and cross-variable rule of spec 2.1 and 2.6 that ``env`` breaks."""
+    c = _Checks(env)
+    f = _F
+    # spec 2.1 and the guard's own variables
+    if _split_listen(env.listen) is None:
+        c.add(["LISTEN"], f"expected [host]:port with a numeric port, got {_shown(env.listen)}")
+    _routing_problems(c, _resolve_routing(env))
+    c.at_least(f.global_limit, 0)
+    _path_problems(c)
+    c.above(f.proxy_timeout_seconds, 0)
+    c.at_least(f.pig_status_log_interval_seconds, 0)
+    c.at_least(f.pig_queue_wait_seconds, 0)
+    if env.pig_queue_wait_seconds > 0:
+        c.above(f.pig_queue_poll_ms, 0)
+    c.at_least(f.pig_retry_after_seconds, 0)
+    c.at_least(f.pig_drain_seconds, 0)
+    # spec 2.6, always checked
+    c.above(f.dynamic_poll_interval_ms, 0)
+    c.at_least(f.dynamic_global_green_limit, 0, unless_same_as=f.global_limit)
+    c.at_least(f.dynamic_global_yellow_limit, 0, unless_same_as=f.dynamic_global_green_limit)
+    c.at_least(f.dynamic_global_red_limit, 0, unless_same_as=f.dynamic_global_yellow_limit)
+    for yellow, red in (
+        (f.dynamic_kv_yellow, f.dynamic_kv_red),
+        (f.dynamic_running_yellow, f.dynamic_running_red),
+        (f.dynamic_waiting_yellow, f.dynamic_waiting_red),
+    ):
+        c.at_least(yellow, 0)
+        c.at_least(red, 0, unless_same_as=yellow)
+        c.not_above(yellow, red)
+    c.at_least(f.dynamic_preemption_delta_red, 0)
+    if env.dynamic_pressure_limit_enabled:
+        c.at_least(f.dynamic_pressure_headroom, 0)
+        c.at_least(f.dynamic_pressure_min_limit, 0)
+        c.within(f.dynamic_pressure_learn_ratio, 0, 1, low_open=True)
+        c.at_least(f.dynamic_pressure_learn_min_running, 0)
+    if env.dynamic_single_user_tps_enabled:
+        c.above(f.dynamic_single_user_tps_yellow, 0)
+        c.above(f.dynamic_single_user_tps_red, 0)
+        c.not_above(f.dynamic_single_user_tps_red, f.dynamic_single_user_tps_yellow)
+        c.above(f.dynamic_single_user_tps_min_running, 0)
+        c.above(f.dynamic_single_user_tps_yellow_consecutive, 0)
+        c.above(f.dynamic_single_user_tps_red_consecutive, 0)
+        c.at_least(f.dynamic_single_user_tps_prefill_grace_min_seconds, 0)
+        c.not_above(
+            f.dynamic_single_user_tps_prefill_grace_min_seconds,
+            f.dynamic_single_user_tps_prefill_grace_max_seconds,
+        )
+        c.above(f.dynamic_single_user_tps_prefill_grace_body_bytes_per_second, 0)
+        c.above(f.dynamic_single_user_tps_prefill_grace_multiplier, 0)
+        c.within(f.dynamic_single_user_tps_capacity_ratio, 0, 1, low_open=True)
+        c.within(f.dynamic_single_user_tps_capacity_ratio_max, 0, 1)
+        c.not_above(
+            f.dynamic_single_user_tps_capacity_ratio, f.dynamic_single_user_tps_capacity_ratio_max
+        )
+        c.within(f.dynamic_single_user_tps_capacity_smoothing, 0, 1, high_open=True)
+        c.within(f.dynamic_single_user_tps_capacity_ratio_step_up, 0, 1, low_open=True)
+        c.above(f.dynamic_single_user_tps_capacity_healthy_consecutive, 0)
+        c.at_least(f.dynamic_single_user_tps_capacity_healthy_multiplier, 1)
+    if env.dynamic_ttft_enabled:
+        c.not_above(f.dynamic_ttft_target_seconds, f.dynamic_ttft_red_seconds)
+        c.not_above(f.dynamic_ttft_p99_target_seconds, f.dynamic_ttft_p99_red_seconds)
+    return c.found

@@ -1,0 +1,170 @@
+"""``inference-guard replay FILE``: recompute the guard's decisions from a recording."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+from guard_adapters.config import ConfigError, apply_overrides, load_config
+from guard_adapters.recording import (
+    Header,
+    Record,
+    RecordingError,
+    open_for_reading,
+    read_records,
+)
+from guard_adapters.replay import ReplayResult, replay, summarise
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "replay",
+        help="recompute decisions from a recording, optionally with other settings",
+        description=(
+            "Feed a recording's scrapes and request events through the policy core and print a"
+            " summary. With the recorded settings every decision comes back as recorded;"
+            " --set tries others."
+        ),
+    )
+    parser.add_argument("file", type=Path, help="recording (.jsonl or .jsonl.gz)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="VAR=VALUE",
+        help="override one setting (environment variable name), repeatable",
+    )
+    parser.add_argument("--out", type=Path, help="write one JSON object per poll to this file")
+    parser.add_argument(
+        "--diff",
+        action="store_true",
+        help="list every poll whose decision differs from the recording",
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="stop at the first malformed line instead of skipping it",
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(handler=run)
+
+
+def _load(path: Path, *, strict: bool) -> tuple[Header | None, list[Record], list[RecordingError]]:
+    header: Header | None = None
+    records: list[Record] = []
+    errors: list[RecordingError] = []
+    with open_for_reading(path) as stream:
+        for item in read_records(stream, strict=strict, source=str(path)):
+            if isinstance(item, RecordingError):
+                errors.append(item)
+            elif isinstance(item, Header):
+                header = header or item
+            else:
+                records.append(item)
+    return header, records, errors
+
+
+def _table(rows: list[tuple[str, ...]], out: IO[str]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        out.write("  ".join(cells).rstrip() + "\n")
+
+
+def _print_summary(path: Path, summary: dict[str, Any], overrides: list[str], out: IO[str]) -> None:
+    settings = ", ".join(overrides) if overrides else "as recorded"
+    polls, seconds = summary["polls"], summary["seconds"]
+    out.write(f"{path}: {polls} polls over {seconds:.1f} s (settings: {settings})\n\n")
+    total = sum(summary["time_in_state_s"].values()) or 1.0
+    _table(
+        [("state", "seconds", "share")]
+        + [
+            (s, f"{t:.1f}", f"{100 * t / total:.0f}%")
+            for s, t in summary["time_in_state_s"].items()
+        ],
+        out,
+    )
+    cap = summary["cap"]
+    out.write(f"\ncap: min {cap['min']}  median {cap['median']}  max {cap['max']}\n\n")
+    _table(
+        [("final reason", "polls")] + [(r, str(n)) for r, n in summary["final_reasons"].items()],
+        out,
+    )
+    out.write("\n")
+    if summary["state_reasons"]:
+        _table(
+            [("state reason", "polls")]
+            + [(r, str(n)) for r, n in summary["state_reasons"].items()],
+            out,
+        )
+        out.write("\n")
+    adm = summary["admissions"]
+    _table(
+        [
+            ("requests", "replay", "recorded"),
+            ("admitted", str(adm["admitted"]), str(adm["recorded_forwarded"])),
+            ("rejected", str(adm["rejected"]), str(adm["recorded_rejected"])),
+        ],
+        out,
+    )
+    out.write(f"\npolls whose decision differs from the recording: {summary['differing_polls']}\n")
+    if summary["unparsable_scrapes"]:
+        out.write(
+            f"scrapes that no longer parse (counted as failed): {summary['unparsable_scrapes']}\n"
+        )
+
+
+def _print_diff(result: ReplayResult, out: IO[str]) -> None:
+    for poll in result.polls:
+        if not poll.differs or poll.recorded is None:
+            continue
+        rec, dec = poll.recorded, poll.decision
+        out.write(
+            f"poll {poll.poll} at {dec.at:.3f}s: recorded cap {rec.cap} {rec.state} {rec.reason}"
+            f" -> replayed cap {dec.cap} {dec.state} {dec.final_reason}\n"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    out, err = sys.stdout, sys.stderr
+    try:
+        header, records, errors = _load(args.file, strict=args.strict)
+    except RecordingError as error:
+        err.write(f"inference-guard replay: {error}\n")
+        return 1
+    except OSError as error:
+        err.write(f"inference-guard replay: cannot read {args.file}: {error.strerror or error}\n")
+        return 1
+    for skipped in errors:
+        err.write(f"skipped {skipped}\n")
+    if header is None:
+        err.write(f"inference-guard replay: {args.file}: no header line; using default settings\n")
+    try:
+        environ = apply_overrides(header.config if header else {}, args.overrides)
+        config = load_config(environ).guard_config()
+    except ConfigError as invalid:
+        err.write(f"inference-guard replay: invalid settings:\n{invalid}\n")
+        return 2
+    result = replay(records, config)
+    if args.out is not None:
+        with args.out.open("w", encoding="utf-8") as stream:
+            for poll in result.polls:
+                stream.write(json.dumps(poll.as_json(), separators=(",", ":")) + "\n")
+    summary = summarise(result)
+    summary["skipped_lines"] = len(errors)
+    if args.json:
+        out.write(json.dumps(summary, indent=2) + "\n")
+    else:
+        _print_summary(args.file, summary, args.overrides, out)
+        if errors:
+            out.write(f"malformed lines skipped: {len(errors)}\n")
+    if args.diff:
+        _print_diff(result, out)
+    return 0

@@ -1,0 +1,762 @@
+"""guard_adapters.config: PIG's environment variables to settings and core configs (spec 2)."""
+
+from __future__ import annotations
+
+import pickle
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from guard_adapters._errors import AdapterError
+from guard_adapters.config import (
+    REDACTED,
+    VARIABLES,
+    Backend,
+    ConfigError,
+    Environment,
+    Settings,
+    apply_overrides,
+    load_config,
+)
+from guard_core.decision import LoadState
+from guard_core.gate import GateConfig
+from guard_core.guard import GuardConfig
+from guard_core.policy import PolicyConfig
+from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
+from guard_core.signal_state import SignalThresholds
+
+METRICS = "http://engine:8000/metrics"
+
+
+def errors_of(environ: dict[str, str]) -> tuple[str, ...]:
+    """The messages of the ConfigError that loading ``environ`` must raise."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(environ)
+    return caught.value.messages
+
+
+def assert_reported(environ: dict[str, str], variable: str) -> str:
+    """Loading fails, and exactly one message concerns ``variable``; that message."""
+    messages = [m for m in errors_of(environ) if m.startswith(f"{variable}: ")]
+    assert len(messages) == 1, messages
+    return messages[0]
+
+
+def dynamic(**extra: str) -> dict[str, str]:
+    """An environment with dynamic mode on (one metrics URL) plus ``extra``."""
+    return {"DYNAMIC_METRICS_URL": METRICS, **extra}
+
+
+# -- defaults ----------------------------------------------------------------------------------
+
+
+def test_defaults_build_the_core_defaults_once_dynamic_mode_is_on() -> None:
+    settings = load_config({"UPSTREAM": "http://engine:8000", "DYNAMIC_METRICS_URL": METRICS})
+    config = settings.guard_config()
+    assert config == GuardConfig()
+    assert config.learning
+    assert config.gate.dynamic
+    assert settings.dynamic_enabled
+    assert settings.dynamic_enforced
+
+
+def test_empty_environment_is_pig_static_mode() -> None:
+    settings = load_config({})
+    config = settings.guard_config()
+    off = PolicyConfig(
+        pressure_enabled=False,
+        user_tps_enabled=False,
+        capacity_learn_enabled=False,
+        ttft_enabled=False,
+    )
+    assert config == GuardConfig(gate=GateConfig(dynamic=False), policy=off, learning=False)
+    assert config.policy.signals == SignalThresholds.from_global_limit(512)
+    assert not settings.dynamic_enabled
+    assert settings.backends == (Backend("backend1", "http://backend:8000"),)
+    assert not settings.backend_routing
+    assert settings.metrics_urls == ()
+    assert settings.paths == PathPolicy()
+    assert (settings.listen_host, settings.listen_port) == ("", 8000)
+    assert settings.env == Environment()
+
+
+def test_scalar_defaults_are_pigs() -> None:
+    env = load_config({}).env
+    assert env.listen == ":8000"
+    assert env.token == ""
+    assert env.global_limit == 512
+    assert env.pig_paths == DEFAULT_QOS_PATHS
+    assert env.proxy_timeout_seconds == 1800
+    assert env.pig_status_log_interval_seconds == 5
+    assert env.pig_queue_wait_seconds == 0.5
+    assert env.pig_queue_poll_ms == 100
+    assert env.pig_retry_after_seconds == 1
+    assert env.pig_drain_seconds == 30.0
+    assert env.pig_record_path == ""
+    assert env.dynamic_poll_interval_ms == 1000
+    assert env.dynamic_failsafe_state is LoadState.YELLOW
+    assert (env.dynamic_kv_yellow, env.dynamic_kv_red) == (0.70, 0.80)
+    assert (env.dynamic_waiting_yellow, env.dynamic_waiting_red) == (1, 2)
+    assert env.dynamic_preemption_delta_red == 1
+
+
+def test_defaults_that_follow_other_variables() -> None:
+    env = load_config(dynamic(GLOBAL_LIMIT="100", DYNAMIC_RUNNING_YELLOW="7")).env
+    assert env.dynamic_global_green_limit == 100
+    assert env.dynamic_global_yellow_limit == 100
+    assert env.dynamic_global_red_limit == 100
+    assert env.dynamic_running_red == 7
+
+    env = load_config(dynamic(DYNAMIC_GLOBAL_YELLOW_LIMIT="40")).env
+    assert (env.dynamic_global_green_limit, env.dynamic_global_red_limit) == (512, 40)
+
+    env = load_config(dynamic(DYNAMIC_PIG_ENABLED="false")).env
+    assert not env.dynamic_pig_enforce
+    assert not env.dynamic_pressure_limit_enabled
+    assert not env.dynamic_single_user_tps_capacity_learn_enabled
+    assert not env.dynamic_ttft_enabled
+
+    env = load_config(dynamic(DYNAMIC_SINGLE_USER_TPS_ENABLED="off")).env
+    assert env.dynamic_pressure_limit_enabled
+    assert not env.dynamic_ttft_enabled
+
+
+def test_enforce_off_keeps_learning_but_not_the_gate() -> None:
+    config = load_config(dynamic(DYNAMIC_PIG_ENFORCE="false")).guard_config()
+    assert config.learning
+    assert not config.gate.dynamic
+
+
+def test_state_caps_above_the_global_limit_are_lowered_in_the_core() -> None:
+    config = load_config(dynamic(GLOBAL_LIMIT="10", DYNAMIC_GLOBAL_GREEN_LIMIT="50")).guard_config()
+    signals = config.policy.signals
+    assert (signals.green_limit, signals.yellow_limit, signals.red_limit) == (10, 10, 10)
+
+
+def test_non_positive_ttft_thresholds_fall_back_to_their_defaults() -> None:
+    env = load_config(
+        dynamic(
+            DYNAMIC_TTFT_TARGET_SECONDS="0",
+            DYNAMIC_TTFT_RED_SECONDS="-2",
+            DYNAMIC_TTFT_P99_TARGET_SECONDS="-0.5",
+            DYNAMIC_TTFT_P99_RED_SECONDS="0.0",
+        )
+    ).env
+    assert env.dynamic_ttft_target_seconds == 1.0
+    assert env.dynamic_ttft_red_seconds == 3.0
+    assert env.dynamic_ttft_p99_target_seconds == 3.0
+    assert env.dynamic_ttft_p99_red_seconds == 8.0
+
+
+def test_queue_poll_may_be_zero_when_the_wait_is_zero() -> None:
+    settings = load_config({"PIG_QUEUE_WAIT_SECONDS": "0", "PIG_QUEUE_POLL_MS": "0"})
+    gate = settings.guard_config().gate
+    assert gate.queue_wait_s == 0
+    assert gate.fallback_check_s == 0.25
+    message = assert_reported({"PIG_QUEUE_POLL_MS": "0"}, "PIG_QUEUE_POLL_MS")
+    assert "> 0" in message
+
+
+# -- reading single values ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "value"), [("5", 5), ("+5", 5), ("-3", -3), ("0", 0)])
+def test_plain_integers_are_read(text: str, value: int) -> None:
+    assert load_config({"DYNAMIC_PRESSURE_HEADROOM": text}).env.dynamic_pressure_headroom == value
+
+
+@pytest.mark.parametrize(
+    "text",
+    [" 5", "5 ", "\t5", "5.0", "1e3", "0x10", "1_000", "\uff15", "five", "+", "--1", "5\n", " "],
+)
+def test_integers_must_be_plain(text: str) -> None:
+    message = assert_reported({"GLOBAL_LIMIT": text}, "GLOBAL_LIMIT")
+    assert message == f"GLOBAL_LIMIT: expected a plain integer, got {text!r}"
+
+
+def test_integers_beyond_64_bits_are_rejected() -> None:
+    assert_reported({"GLOBAL_LIMIT": "9" * 20}, "GLOBAL_LIMIT")
+    assert "out of range" in assert_reported({"GLOBAL_LIMIT": "1" * 5000}, "GLOBAL_LIMIT")
+    assert load_config({"GLOBAL_LIMIT": "0" * 30 + "7"}).env.global_limit == 7
+    assert load_config({"GLOBAL_LIMIT": str(2**63 - 1)}).env.global_limit == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1e-1", 0.1), (".5", 0.5), ("5", 5.0), ("5.", 5.0), ("+2.5E+1", 25.0), ("-0", 0.0)],
+)
+def test_floats_take_any_decimal_form(text: str, value: float) -> None:
+    # Pressure is off in static mode, so its ratio is read but not range-checked.
+    env = load_config({"DYNAMIC_PRESSURE_LEARN_RATIO": text}).env
+    assert env.dynamic_pressure_learn_ratio == value
+
+
+@pytest.mark.parametrize(
+    "text", ["abc", " 1", "1 ", "1_0", "0x1p-2", "1e", "..5", "inf", "-Infinity", "NaN", "1e999"]
+)
+def test_floats_that_are_rejected(text: str) -> None:
+    message = assert_reported({"PIG_QUEUE_WAIT_SECONDS": text}, "PIG_QUEUE_WAIT_SECONDS")
+    assert repr(text) in message
+
+
+@pytest.mark.parametrize(
+    "text", ["1", "true", "TRUE", "True", "yes", "Y", "y", "on", " On ", "\ttrue\n"]
+)
+def test_true_spellings(text: str) -> None:
+    assert load_config({"PIG_PATH_SUFFIX_MATCH": text}).env.pig_path_suffix_match is True
+
+
+@pytest.mark.parametrize("text", ["0", "false", "FALSE", "no", "N", "n", "off", " OFF "])
+def test_false_spellings(text: str) -> None:
+    env = load_config(dynamic(DYNAMIC_PIG_ENFORCE=text)).env
+    assert env.dynamic_pig_enforce is False
+
+
+@pytest.mark.parametrize("text", ["2", "tru", "enable", "yes please", "t", "-1", "oui"])
+def test_other_booleans_are_rejected(text: str) -> None:
+    message = assert_reported({"PIG_PATH_SUFFIX_MATCH": text}, "PIG_PATH_SUFFIX_MATCH")
+    assert "expected a boolean" in message
+
+
+@pytest.mark.parametrize(
+    "variable", ["GLOBAL_LIMIT", "PIG_QUEUE_WAIT_SECONDS", "PIG_PATH_SUFFIX_MATCH", "LISTEN"]
+)
+def test_empty_means_default(variable: str) -> None:
+    assert load_config({variable: ""}) == load_config({})
+
+
+def test_blank_booleans_lists_and_states_mean_default() -> None:
+    environ = {"PIG_PATH_SUFFIX_MATCH": "  ", "PIG_PATHS": " ", "DYNAMIC_FAILSAFE_STATE": " "}
+    assert load_config(environ) == load_config({})
+
+
+def test_csv_parts_are_trimmed_and_empty_parts_dropped() -> None:
+    settings = load_config({"PIG_PATHS": " /a , ,/b/c,, "})
+    assert settings.paths == PathPolicy(("/a", "/b/c"))
+
+
+def test_failsafe_state_is_trimmed_and_lower_cased() -> None:
+    assert load_config({"DYNAMIC_FAILSAFE_STATE": " RED "}).guard_config().failsafe is LoadState.RED
+    for text in ("disabled", "orange", "redd"):
+        assert_reported({"DYNAMIC_FAILSAFE_STATE": text}, "DYNAMIC_FAILSAFE_STATE")
+
+
+def test_unknown_variables_are_ignored() -> None:
+    assert load_config({"PATH": "/usr/bin", "GLOBAL_LIMITS": "x", "global_limit": "x"}) == (
+        load_config({})
+    )
+
+
+# -- backends (spec 2.1 rules 1-5) -------------------------------------------------------------
+
+
+def test_single_upstream_takes_the_first_metrics_url_and_all_urls_are_summed() -> None:
+    settings = load_config(
+        {
+            "UPSTREAM": " http://engine:8000// ",
+            "DYNAMIC_METRICS_URLS": "http://m1/metrics/, http://m2/metrics, http://m1/metrics",
+        }
+    )
+    assert settings.backends == (Backend("backend1", "http://engine:8000", "http://m1/metrics"),)
+    assert settings.metrics_urls == ("http://m1/metrics", "http://m2/metrics")
+    assert not settings.backend_routing
+    assert settings.dynamic_enabled
+
+
+def test_metrics_urls_override_the_single_metrics_url() -> None:
+    settings = load_config(
+        {"DYNAMIC_METRICS_URL": "http://single/metrics", "DYNAMIC_METRICS_URLS": "http://list/m"}
+    )
+    assert settings.metrics_urls == ("http://list/m",)
+    settings = load_config({"DYNAMIC_METRICS_URL": " http://single/metrics/ "})
+    assert settings.metrics_urls == ("http://single/metrics",)
+
+
+def test_upstreams_are_deduplicated_and_paired_with_metrics_urls_by_index() -> None:
+    settings = load_config(
+        {
+            "UPSTREAM": "http://ignored:1",
+            "UPSTREAMS": "http://a:1/, http://a:1, ,http://b:2//,http://c:3",
+            "DYNAMIC_METRICS_URLS": "http://a:1/metrics,http://b:2/metrics/",
+        }
+    )
+    assert settings.backends == (
+        Backend("backend1", "http://a:1", "http://a:1/metrics"),
+        Backend("backend2", "http://b:2", "http://b:2/metrics"),
+        Backend("backend3", "http://c:3", None),
+    )
+    assert settings.backend_routing
+    assert settings.metrics_urls == ("http://a:1/metrics", "http://b:2/metrics")
+
+
+def test_extra_metrics_urls_beyond_the_upstreams_are_not_polled_with_upstreams() -> None:
+    settings = load_config(
+        {"UPSTREAMS": "http://a:1", "DYNAMIC_METRICS_URLS": "http://m1/x,http://m2/x"}
+    )
+    assert settings.backends == (Backend("backend1", "http://a:1", "http://m1/x"),)
+    assert settings.metrics_urls == ("http://m1/x",)
+    assert not settings.backend_routing
+
+
+def test_backends_with_names_and_metrics_urls() -> None:
+    settings = load_config(
+        {
+            "UPSTREAMS": "http://ignored:1,http://ignored:2",
+            "DYNAMIC_METRICS_URL": "http://ignored/metrics",
+            "BACKENDS": " big = http://a:1/ | http://a:1/metrics/ , http://b:2 ,small=http://c:3|",
+        }
+    )
+    assert settings.backends == (
+        Backend("big", "http://a:1", "http://a:1/metrics"),
+        Backend("backend2", "http://b:2", None),
+        Backend("small", "http://c:3", None),
+    )
+    assert settings.backend_routing
+    assert settings.metrics_urls == ("http://a:1/metrics",)
+    assert settings.dynamic_enabled
+
+
+def test_backend_name_is_the_text_before_the_first_equals_sign() -> None:
+    settings = load_config({"BACKENDS": "x=http://h:1/p=q"})
+    assert settings.backends == (Backend("x", "http://h:1/p=q"),)
+    # Without a name, an '=' inside the URL splits it, as in PIG.
+    message = assert_reported({"BACKENDS": "http://h:1/p=q"}, "BACKENDS")
+    assert "'http://h:1/p'" in message
+
+
+def test_backends_without_metrics_keep_the_dynamic_metrics_urls() -> None:
+    settings = load_config(
+        {"BACKENDS": "http://a:1,http://b:2", "DYNAMIC_METRICS_URLS": "http://m/1,http://m/2"}
+    )
+    assert settings.backends == (
+        Backend("backend1", "http://a:1"),
+        Backend("backend2", "http://b:2"),
+    )
+    assert settings.metrics_urls == ("http://m/1", "http://m/2")
+    assert settings.backend_routing
+
+
+def test_a_single_listed_backend_is_not_routing() -> None:
+    settings = load_config({"BACKENDS": "only=http://a:1|http://a:1/metrics"})
+    assert not settings.backend_routing
+    assert settings.metrics_urls == ("http://a:1/metrics",)
+
+
+@pytest.mark.parametrize(
+    ("upstream", "reason"),
+    [
+        ("ftp://h", "http:// or https://"),
+        ("h:8000", "http:// or https://"),
+        ("engine", "http:// or https://"),
+        ("http://", "host"),
+        ("http://:8000", "host"),
+        ("http://h?x=1", "query"),
+        ("http://h/#frag", "query"),
+        ("http://h:99999", "not a valid URL"),
+        ("http://[::1", "not a valid URL"),
+        ("http://h/a b", "spaces"),
+    ],
+)
+def test_invalid_upstreams_are_rejected(upstream: str, reason: str) -> None:
+    message = assert_reported({"UPSTREAM": upstream}, "UPSTREAM")
+    assert reason in message
+    message = assert_reported({"UPSTREAMS": f"http://ok:1,{upstream}"}, "UPSTREAMS")
+    assert "backend2" in message
+    message = assert_reported({"BACKENDS": f"x=http://ok:1,bad={upstream}"}, "BACKENDS")
+    assert "'bad'" in message
+
+
+def test_valid_upstream_shapes() -> None:
+    for url in ("https://h", "http://10.0.0.1:8000/prefix", "http://[::1]:8000", "http://u:p@h"):
+        assert load_config({"UPSTREAM": url}).backends[0].upstream == url
+
+
+def test_no_backend_at_all() -> None:
+    assert "no backend" in assert_reported({"UPSTREAM": "/"}, "UPSTREAM")
+
+
+def test_backend_names_must_be_present_and_distinct() -> None:
+    assert "empty name" in assert_reported({"BACKENDS": "=http://a:1,b=http://b:1"}, "BACKENDS")
+    message = assert_reported({"BACKENDS": "a=http://a:1,a=http://b:1"}, "BACKENDS")
+    assert "named twice" in message
+
+
+def test_metrics_urls_are_checked_only_in_dynamic_mode() -> None:
+    message = assert_reported({"DYNAMIC_METRICS_URL": "ftp://m/metrics"}, "DYNAMIC_METRICS_URL")
+    assert "http:// or https://" in message
+    assert_reported({"DYNAMIC_METRICS_URLS": "http://m/x,http://m/y?z"}, "DYNAMIC_METRICS_URLS")
+    assert_reported({"BACKENDS": "a=http://a:1|nope,b=http://b:1"}, "BACKENDS")
+    settings = load_config({"DYNAMIC_METRICS_URL": "ftp://m", "DYNAMIC_PIG_ENABLED": "false"})
+    assert not settings.dynamic_enabled
+
+
+def test_dynamic_mode_on_needs_a_metrics_url() -> None:
+    message = assert_reported({"DYNAMIC_PIG_ENABLED": "true"}, "DYNAMIC_PIG_ENABLED")
+    assert "metrics URL" in message
+
+
+# -- ranges and cross-variable rules -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("GLOBAL_LIMIT", "-1"),
+        ("PROXY_TIMEOUT_SECONDS", "0"),
+        ("PIG_STATUS_LOG_INTERVAL_SECONDS", "-1"),
+        ("PIG_QUEUE_WAIT_SECONDS", "-0.1"),
+        ("PIG_RETRY_AFTER_SECONDS", "-1"),
+        ("PIG_DRAIN_SECONDS", "-1"),
+        ("DYNAMIC_POLL_INTERVAL_MS", "0"),
+        ("DYNAMIC_GLOBAL_GREEN_LIMIT", "-1"),
+        ("DYNAMIC_GLOBAL_YELLOW_LIMIT", "-1"),
+        ("DYNAMIC_GLOBAL_RED_LIMIT", "-1"),
+        ("DYNAMIC_PREEMPTION_DELTA_RED", "-1"),
+    ],
+)
+def test_ranges_checked_even_in_static_mode(variable: str, value: str) -> None:
+    assert_reported({variable: value}, variable)
+
+
+def test_zero_values_that_pig_allows() -> None:
+    settings = load_config(
+        {
+            "GLOBAL_LIMIT": "0",
+            "PIG_STATUS_LOG_INTERVAL_SECONDS": "0",
+            "PIG_RETRY_AFTER_SECONDS": "0",
+            "PIG_DRAIN_SECONDS": "0",
+            "LISTEN": "127.0.0.1:0",
+        }
+    )
+    assert settings.guard_config().gate.global_limit == 0
+    assert (settings.listen_host, settings.listen_port) == ("127.0.0.1", 0)
+
+
+@pytest.mark.parametrize(
+    ("yellow", "red", "yellow_value"),
+    [
+        ("DYNAMIC_KV_YELLOW", "DYNAMIC_KV_RED", "0.9"),
+        ("DYNAMIC_RUNNING_YELLOW", "DYNAMIC_RUNNING_RED", "9"),
+        ("DYNAMIC_WAITING_YELLOW", "DYNAMIC_WAITING_RED", "9"),
+    ],
+)
+def test_signal_thresholds_must_be_ordered_in_every_mode(
+    yellow: str, red: str, yellow_value: str
+) -> None:
+    environ = {yellow: yellow_value, red: "5" if "KV" not in red else "0.8"}
+    message = assert_reported(environ, yellow)
+    assert red in message
+    assert_reported(dynamic(**environ), yellow)
+
+
+def test_running_red_follows_yellow_so_raising_yellow_alone_is_fine() -> None:
+    env = load_config({"DYNAMIC_RUNNING_YELLOW": "12"}).env
+    assert env.dynamic_running_red == 12
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("DYNAMIC_PRESSURE_HEADROOM", "-1"),
+        ("DYNAMIC_PRESSURE_MIN_LIMIT", "-1"),
+        ("DYNAMIC_PRESSURE_LEARN_RATIO", "0"),
+        ("DYNAMIC_PRESSURE_LEARN_RATIO", "1.5"),
+        ("DYNAMIC_PRESSURE_LEARN_MIN_RUNNING", "-1"),
+    ],
+)
+def test_pressure_ranges_only_when_pressure_is_on(variable: str, value: str) -> None:
+    assert_reported(dynamic(**{variable: value}), variable)
+    load_config(dynamic(**{variable: value, "DYNAMIC_PRESSURE_LIMIT_ENABLED": "false"}))
+    load_config({variable: value})
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("DYNAMIC_SINGLE_USER_TPS_YELLOW", "0"),
+        ("DYNAMIC_SINGLE_USER_TPS_RED", "0"),
+        ("DYNAMIC_SINGLE_USER_TPS_RED", "30"),
+        ("DYNAMIC_SINGLE_USER_TPS_MIN_RUNNING", "0"),
+        ("DYNAMIC_SINGLE_USER_TPS_YELLOW_CONSECUTIVE", "0"),
+        ("DYNAMIC_SINGLE_USER_TPS_RED_CONSECUTIVE", "0"),
+        ("DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MIN_SECONDS", "-1"),
+        ("DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MIN_SECONDS", "31"),
+        ("DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_BODY_BYTES_PER_SECOND", "0"),
+        ("DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MULTIPLIER", "0"),
+        ("DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO", "0"),
+        ("DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO", "0.9"),
+        ("DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO_MAX", "1.01"),
+        ("DYNAMIC_SINGLE_USER_TPS_CAPACITY_SMOOTHING", "1"),
+        ("DYNAMIC_SINGLE_USER_TPS_CAPACITY_SMOOTHING", "-0.1"),
+        ("DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO_STEP_UP", "0"),
+        ("DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO_STEP_UP", "1.1"),
+        ("DYNAMIC_SINGLE_USER_TPS_CAPACITY_HEALTHY_CONSECUTIVE", "0"),
+        ("DYNAMIC_SINGLE_USER_TPS_CAPACITY_HEALTHY_MULTIPLIER", "0.99"),
+    ],
+)
+def test_user_tps_ranges_only_when_user_tps_is_on(variable: str, value: str) -> None:
+    assert any(variable in message for message in errors_of(dynamic(**{variable: value})))
+    off = {variable: value, "DYNAMIC_SINGLE_USER_TPS_ENABLED": "0", "DYNAMIC_TTFT_ENABLED": "0"}
+    load_config(dynamic(**off)).guard_config()
+
+
+@pytest.mark.parametrize(
+    ("target", "red", "environ"),
+    [
+        (
+            "DYNAMIC_TTFT_TARGET_SECONDS",
+            "DYNAMIC_TTFT_RED_SECONDS",
+            {"DYNAMIC_TTFT_RED_SECONDS": "0.5"},
+        ),
+        (
+            "DYNAMIC_TTFT_P99_TARGET_SECONDS",
+            "DYNAMIC_TTFT_P99_RED_SECONDS",
+            {"DYNAMIC_TTFT_P99_TARGET_SECONDS": "9"},
+        ),
+    ],
+)
+def test_ttft_red_must_not_be_below_target_when_ttft_is_on(
+    target: str, red: str, environ: dict[str, str]
+) -> None:
+    message = assert_reported(dynamic(**environ), target)
+    assert red in message
+    load_config(dynamic(**environ, DYNAMIC_TTFT_ENABLED="false")).guard_config()
+
+
+@pytest.mark.parametrize(
+    "listen", ["", ":8000", "0.0.0.0:80", "localhost:8000", "[::]:8000", "[::1]:65535"]
+)
+def test_listen_addresses_accepted(listen: str) -> None:
+    load_config({"LISTEN": listen})
+
+
+@pytest.mark.parametrize("listen", [" ", "8000", ":http", "h:65536", "::1:80", "[]:80", "a b:80"])
+def test_listen_addresses_rejected(listen: str) -> None:
+    assert_reported({"LISTEN": listen}, "LISTEN")
+
+
+@pytest.mark.parametrize(
+    ("paths", "fragment"),
+    [(",", "at least one"), ("/a,/a", "twice"), ("v1/chat", "must start"), ("/a b", "must start")],
+)
+def test_pig_paths_rules(paths: str, fragment: str) -> None:
+    assert fragment in assert_reported({"PIG_PATHS": paths}, "PIG_PATHS")
+
+
+def test_every_bad_variable_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            {
+                "GLOBAL_LIMIT": " 5",
+                "PIG_PATH_SUFFIX_MATCH": "maybe",
+                "PROXY_TIMEOUT_SECONDS": "0",
+                "DYNAMIC_KV_YELLOW": "0.9",
+                "UPSTREAM": "ftp://engine",
+                "PIG_PATHS": "/a,/a,b",
+            }
+        )
+    error = caught.value
+    assert isinstance(error, AdapterError)
+    leads = sorted(message.split(":")[0] for message in error.messages)
+    assert leads == sorted(
+        [
+            "GLOBAL_LIMIT",
+            "PIG_PATH_SUFFIX_MATCH",
+            "PROXY_TIMEOUT_SECONDS",
+            "DYNAMIC_KV_YELLOW",
+            "UPSTREAM",
+            "PIG_PATHS",
+            "PIG_PATHS",
+        ]
+    )
+    assert "GLOBAL_LIMIT: expected a plain integer, got ' 5'" in error.messages
+    assert str(error).splitlines() == list(error.messages)
+    assert pickle.loads(pickle.dumps(error)).messages == error.messages
+
+
+def test_rules_that_name_an_unreadable_variable_are_not_reported_twice() -> None:
+    messages = errors_of({"DYNAMIC_KV_RED": "high", "DYNAMIC_KV_YELLOW": "0.9"})
+    assert messages == ("DYNAMIC_KV_RED: expected a number, got 'high'",)
+
+
+def test_an_unreadable_variable_does_not_hide_other_range_problems() -> None:
+    messages = errors_of({"DYNAMIC_KV_RED": "high", "GLOBAL_LIMIT": "-4"})
+    assert messages == (
+        "DYNAMIC_KV_RED: expected a number, got 'high'",
+        "GLOBAL_LIMIT: must be >= 0, got -4",
+    )
+
+
+def test_a_bad_value_is_reported_once_not_again_for_the_variables_that_follow_it() -> None:
+    assert errors_of({"DYNAMIC_RUNNING_YELLOW": "-1"}) == (
+        "DYNAMIC_RUNNING_YELLOW: must be >= 0, got -1",
+    )
+    messages = errors_of({"DYNAMIC_GLOBAL_GREEN_LIMIT": "-1", "DYNAMIC_GLOBAL_RED_LIMIT": "-2"})
+    assert messages == (
+        "DYNAMIC_GLOBAL_GREEN_LIMIT: must be >= 0, got -1",
+        "DYNAMIC_GLOBAL_RED_LIMIT: must be >= 0, got -2",
+    )
+
+
+def test_from_environment_checks_directly_built_values() -> None:
+    with pytest.raises(ConfigError):
+        Settings.from_environment(Environment(global_limit=-1))
+    settings = Settings.from_environment(Environment(dynamic_metrics_url=METRICS))
+    assert settings.dynamic_enabled
+
+
+# -- overrides ---------------------------------------------------------------------------------
+
+
+def test_set_overrides_apply_in_order_and_leave_the_input_alone() -> None:
+    environ = {"GLOBAL_LIMIT": "5", "HOME": "/root"}
+    merged = apply_overrides(
+        environ, ["GLOBAL_LIMIT=7", "DYNAMIC_METRICS_URL=http://m/x?", "TOKEN=", "GLOBAL_LIMIT=9"]
+    )
+    assert merged == {
+        "GLOBAL_LIMIT": "9",
+        "HOME": "/root",
+        "DYNAMIC_METRICS_URL": "http://m/x?",
+        "TOKEN": "",
+    }
+    assert environ == {"GLOBAL_LIMIT": "5", "HOME": "/root"}
+    assert apply_overrides(environ, ["PIG_PATHS=/a=b"])["PIG_PATHS"] == "/a=b"
+    assert load_config(apply_overrides({}, ["GLOBAL_LIMIT=3"])).env.global_limit == 3
+
+
+def test_malformed_overrides_are_all_reported() -> None:
+    with pytest.raises(ConfigError) as caught:
+        apply_overrides({}, ["GLOBAL_LIMIT", "=5", "OK=1", " X=1"])
+    messages = caught.value.messages
+    assert len(messages) == 3
+    assert all(message.startswith("--set ") for message in messages)
+    assert "'GLOBAL_LIMIT'" in messages[0]
+    assert "'=5'" in messages[1]
+
+
+# -- redaction ---------------------------------------------------------------------------------
+
+
+def test_redacted_never_shows_the_token() -> None:
+    secret = "sk-very-secret-token"
+    settings = load_config(dynamic(TOKEN=secret))
+    shown = settings.redacted()
+    assert shown["TOKEN"] == REDACTED
+    assert all(secret not in value for value in shown.values())
+    assert secret not in repr(settings)
+    assert secret not in str(settings.env)
+    assert settings.env.token == secret
+    assert load_config({}).redacted()["TOKEN"] == ""
+
+
+def test_redacted_masks_passwords_in_urls() -> None:
+    settings = load_config(
+        {"BACKENDS": "a=http://user:pw1@a:1|http://m:pw2@a:1/metrics,b=http://b:2"}
+    )
+    joined = " ".join(settings.redacted().values())
+    assert "pw1" not in joined
+    assert "pw2" not in joined
+    assert f"http://user:{REDACTED}@a:1" in joined
+
+
+def test_redacted_lists_every_variable_and_loads_back_to_the_same_settings() -> None:
+    settings = load_config(
+        dynamic(
+            GLOBAL_LIMIT="64",
+            DYNAMIC_KV_YELLOW="1e-1",
+            DYNAMIC_TTFT_TARGET_SECONDS="-1",
+            PIG_PATHS="/a, /b",
+            DYNAMIC_FAILSAFE_STATE="Red",
+        )
+    )
+    shown = settings.redacted()
+    assert tuple(shown) == VARIABLES
+    assert shown["DYNAMIC_KV_YELLOW"] == "0.1"
+    assert shown["PIG_PATH_SUFFIX_MATCH"] == "false"
+    assert shown["DYNAMIC_FAILSAFE_STATE"] == "red"
+    assert load_config(shown) == settings
+
+
+def test_every_variable_is_a_field_named_after_it() -> None:
+    assert tuple(a.name.upper() for a in attrs.fields(Environment)) == VARIABLES
+    assert len(set(VARIABLES)) == len(VARIABLES)
+
+
+# -- properties --------------------------------------------------------------------------------
+
+_VALUES = st.one_of(
+    st.text(max_size=30),
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "0",
+            "1",
+            "-1",
+            "5",
+            "0.5",
+            "1e-1",
+            "true",
+            "off",
+            "red",
+            "/v1/x",
+            "http://h:1",
+            "http://h:1/metrics/",
+            "a=http://a:1|http://a:1/m,http://b:2",
+            ":9000",
+        ]
+    ),
+)
+_KEYS = st.one_of(st.sampled_from(VARIABLES), st.text(max_size=12))
+
+
+@given(st.dictionaries(_KEYS, _VALUES, max_size=12))
+def test_loading_any_environment_returns_settings_or_raises_config_error(
+    environ: dict[str, str],
+) -> None:
+    settings: Settings | None = None
+    failure: ConfigError | None = None
+    try:
+        settings = load_config(environ)
+    except ConfigError as error:
+        failure = error
+    if failure is not None:
+        assert failure.messages
+        known = (*VARIABLES, "configuration")
+        assert all(message.split(":")[0] in known for message in failure.messages)
+        assert str(failure) == "\n".join(failure.messages)
+        return
+    assert settings is not None
+    settings.guard_config()
+    shown = settings.redacted()
+    if not settings.env.token and all("@" not in value for value in shown.values()):
+        assert load_config(shown) == settings
+
+
+@given(st.integers(min_value=-(2**63), max_value=2**63 - 1))
+def test_integers_read_back_exactly(number: int) -> None:
+    assert load_config(
+        {"DYNAMIC_PRESSURE_HEADROOM": str(number)}
+    ).env.dynamic_pressure_headroom == (number)
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False))
+def test_floats_read_back_exactly(number: float) -> None:
+    env = load_config({"DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO_MAX": repr(number)}).env
+    assert env.dynamic_single_user_tps_capacity_ratio_max == number
+
+
+@given(st.lists(st.text(alphabet=" ,/ab", max_size=6), max_size=5))
+def test_csv_never_keeps_blank_or_untrimmed_parts(parts: list[str]) -> None:
+    text = ",".join(parts)
+    if not text.strip():
+        return
+    try:
+        settings = load_config({"PIG_PATHS": text})
+    except ConfigError:
+        return
+    for path in settings.paths.paths:
+        assert path
+        assert path == path.strip()
