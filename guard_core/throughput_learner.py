@@ -8,7 +8,7 @@ learned value, target and component, and the cap so far (``qos_limit``).
 Guarantees:
 - cold start: a fresh learner assumes ``min(50, GLOBAL_LIMIT)``;
 - the component only falls in a *down* state (per-user speed below target with a lower estimate,
-  or severe pressure), or with a lower ``qos_limit``;
+  or severe pressure), or with a lower ``qos_limit``; a down state never raises it;
 - without demand the component holds (sticky); under demand it grows towards
   ``max(target, learned)`` by at most ``max(8, ceil(25 %))`` per poll;
 - the learned value itself grows by ``max(1, ceil(step x learned))`` only after
@@ -317,7 +317,9 @@ def _component(
         return active
     target = _clamp(state.target or state.learned or active, 1, current)
     if state.phase in DOWN_PHASES:
-        return _clamp(min(target, state.learned), 1, current)
+        # A down state lowers the component; it never raises it, even when the learned value it
+        # lowers is still above the current component.
+        return min(active, _clamp(min(target, state.learned), 1, current))
     if not demand:
         return active
     recovery = _clamp(max(target, state.learned), 1, current)
