@@ -184,28 +184,32 @@ def main() -> None:  # noqa: PLR0915 - one linear script
             (at + prefill_s(at) + 0.004 * len(engine.running), request_id, arrived)
         )
 
-    def retry_all(at: float) -> None:
+    def retry(at: float, *, expired_only: bool = False) -> None:
+        """Retry every waiter (after a release or a poll), or only those at their deadline."""
         for request_id, queued in list(waiters.items()):
+            if expired_only and queued.deadline > at:
+                continue
             records.append(Retry(at=at, id=request_id))
             outcome = step(WaitRetried(at, queued))
             if isinstance(outcome, Queued):
                 waiters[request_id] = outcome
                 continue
             del waiters[request_id]
-            arrived = bodies[request_id][1]
+            body, arrived = bodies[request_id]
             if isinstance(outcome, Admitted):
-                start(request_id, queued.tier, arrived, at, bodies[request_id][0])
-            else:
-                assert isinstance(outcome, Rejected)
-                records.append(
-                    Outcome(
-                        at=at,
-                        id=request_id,
-                        outcome="rejected",
-                        code=str(outcome.code),
-                        waited_s=round(at - arrived, 6),
-                    )
+                start(request_id, queued.tier, arrived, at, body)
+                continue
+            assert isinstance(outcome, Rejected)
+            waited = round(at - arrived, 6)
+            records.append(
+                Outcome(
+                    at=at,
+                    id=request_id,
+                    outcome="rejected",
+                    code=str(outcome.code),
+                    waited_s=waited,
                 )
+            )
 
     bodies: dict[int, tuple[int, float]] = {}
     ticks = int(DURATION_S / TICK_S)
@@ -238,27 +242,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script
                 records.append(FirstToken(at=at, id=request_id, seconds=seconds))
                 step(FirstTokenObserved(at, seconds))
         if released:
-            retry_all(at)
-        # Deadlines.
-        for request_id, queued in list(waiters.items()):
-            if queued.deadline <= at:
-                records.append(Retry(at=at, id=request_id))
-                outcome = step(WaitRetried(at, queued))
-                del waiters[request_id]
-                arrived = bodies[request_id][1]
-                if isinstance(outcome, Admitted):
-                    start(request_id, queued.tier, arrived, at, bodies[request_id][0])
-                else:
-                    assert isinstance(outcome, Rejected)
-                    records.append(
-                        Outcome(
-                            at=at,
-                            id=request_id,
-                            outcome="rejected",
-                            code=str(outcome.code),
-                            waited_s=round(at - arrived, 6),
-                        )
-                    )
+            retry(at)
+        retry(at, expired_only=True)
         # Arrivals.
         for _ in range(sum(rng.random() < arrival_rate(at) * TICK_S / 4 for _ in range(4))):
             request_id, next_id = next_id, next_id + 1
@@ -304,7 +289,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
                 )
             )
             poll += 1
-            retry_all(at)
+            retry(at)
 
     OUT.parent.mkdir(parents=True, exist_ok=True)
     header = Header(
