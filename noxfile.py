@@ -9,7 +9,7 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_external_run = True
 
 PYTHON = "3.11"
-CODE = ["guard_core", "guard_adapters", "guard_trio", "tests", "noxfile.py"]
+CODE = ["guard_core", "guard_adapters", "guard_trio", "tests", "bench", "tools", "noxfile.py"]
 
 
 @nox.session(python=PYTHON)
@@ -32,6 +32,8 @@ def property(session: nox.Session) -> None:
         "pytest",
         "tests/property",
         "--hypothesis-show-statistics",
+        "-o",
+        "faulthandler_timeout=0",  # deep examples legitimately run for minutes per test
         *session.posargs,
         env={"HYPOTHESIS_PROFILE": "deep"},
     )
@@ -65,7 +67,32 @@ def replay(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks that print tables (nothing is asserted): parsers and the pure core."""
-    session.install("-e", ".[bench]")
+    """Benchmarks that print tables (nothing is asserted): parsers, core, engine, sim-backend."""
+    session.install("-e", ".")
     session.run("python", "bench/bench_metrics_parse.py")
     session.run("python", "bench/bench_core.py")
+    session.run("python", "bench/bench_engine.py")
+    session.run("python", "bench/bench_sim_backend.py")
+
+
+@nox.session(python=PYTHON)
+def simulate(session: nox.Session) -> None:
+    """A request trace through the simulated engine under several policies, in virtual time.
+
+    ``nox -s simulate -- --trace FILE --policy guard --rate-scale 4 --plot out/``; without
+    arguments: the Azure conversation trace at its own rate under none, static:32 and guard.
+    """
+    session.install("-e", ".[plot]")
+    args = session.posargs or [
+        "--trace",
+        "tests/fixtures/traces/azure-llm-2023-conv.csv",
+        "--rate-scale",
+        "1",
+        "--policy",
+        "none",
+        "--policy",
+        "static:32",
+        "--policy",
+        "guard",
+    ]
+    session.run("inference-guard", "simulate", *args)

@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from guard_trio import __version__, _record, _replay_cli
+from guard_trio import __version__, _record, _replay_cli, _sim_backend_cli, _simulate_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _replay_cli.add_parser(subparsers)
     _record.add_parser(subparsers)
+    _sim_backend_cli.add_parser(subparsers)
+    _simulate_cli.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,163 @@
+"""``inference-guard sim-backend``: serve the simulated vLLM or SGLang engine over HTTP.
+
+The server itself lives in :mod:`guard_trio.sim_backend`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from guard_adapters.engine_model import DEFAULT_PROFILE, PROFILES
+from guard_trio.sim_backend import SimBackendConfig, SimBackendError, serve_sim_backend
+
+
+def _slow_down(text: str) -> tuple[float, float]:
+    factor, sep, at = text.partition("@")
+    try:
+        result = (float(factor), float(at) if sep else 0.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FACTOR@SECONDS, got {text!r}") from None
+    if not result[0] > 0 or not result[1] >= 0:
+        raise argparse.ArgumentTypeError(f"expected a factor > 0 and seconds >= 0, got {text!r}")
+    return result
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "sim-backend",
+        help="serve a simulated vLLM or SGLang engine over HTTP",
+        description=(
+            "A simulated inference engine (continuous batching, KV cache, preemption, calibrated"
+            " on real vLLM measurements) behind OpenAI-compatible endpoints, /health and /metrics,"
+            " with scripted faults. POST /sim/control (loopback only) changes faults at run time."
+        ),
+    )
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    add("--port", type=int, default=8001, help="port (default 8001; 0 picks a free one)")
+    add("--flavour", choices=("vllm", "sglang"), default="vllm", help="which server to imitate")
+    add(
+        "--metrics-names",
+        choices=("current", "legacy"),
+        default="current",
+        help="vLLM metric names: current (0.33) or legacy (0.7: no engine label, old KV gauge)",
+    )
+    add("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE, help="engine profile")
+    add("--max-num-seqs", type=int, metavar="N", help="override the profile's max_num_seqs")
+    add("--seed", type=int, default=0, help="seed for ids, filler text and output lengths")
+    add("--model", default="Qwen/Qwen2-7B-Instruct", help="served model name")
+    add("--max-output", type=int, default=4096, metavar="N", help="cap on output tokens")
+    add("--max-model-len", type=int, default=8192, metavar="N", help="context length (8192)")
+    add(
+        "--mean-output",
+        type=float,
+        metavar="N",
+        help="end requests early with a seeded geometric length of this mean (default: never)",
+    )
+    add(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="divide every engine step's duration by this (a benchmark knob; default 1)",
+    )
+    add(
+        "--reasoning-field",
+        choices=("reasoning_content", "reasoning"),
+        default="reasoning_content",
+        help="delta field of reasoning text (vLLM <= 0.14 wrote reasoning_content)",
+    )
+    add(
+        "--slow-down",
+        type=_slow_down,
+        action="append",
+        default=[],
+        metavar="FACTOR@SECONDS",
+        help="steps take FACTOR times longer from SECONDS after start (repeatable)",
+    )
+    add("--die-at", type=float, metavar="SECONDS", help="the engine dies at this time")
+    add("--metrics-delay", type=float, default=0.0, metavar="SECONDS", help="delay /metrics")
+    add(
+        "--metrics-fail-after",
+        type=float,
+        metavar="SECONDS",
+        help="/metrics answers 500 from this time on",
+    )
+    add(
+        "--replay-sse",
+        type=Path,
+        metavar="FILE",
+        help="answer every streaming request with this SSE transcript, byte for byte",
+    )
+    add(
+        "--replay-interval-ms",
+        type=float,
+        default=20.0,
+        metavar="MS",
+        help="pause between replayed events (default 20)",
+    )
+    add("--keep-alive", type=float, default=5.0, metavar="SECONDS", help="idle keep-alive (5)")
+    parser.set_defaults(handler=run)
+
+
+def config_from_args(args: argparse.Namespace) -> SimBackendConfig:
+    return SimBackendConfig(
+        host=args.host,
+        port=args.port,
+        flavour=args.flavour,
+        metrics_names=args.metrics_names,
+        profile=args.profile,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+        model=args.model,
+        max_output=args.max_output,
+        max_model_len=args.max_model_len,
+        speed=args.speed,
+        mean_output_tokens=args.mean_output,
+        reasoning_field=args.reasoning_field,
+        slow_down=tuple(args.slow_down),
+        die_at_s=args.die_at,
+        metrics_delay_s=args.metrics_delay,
+        metrics_fail_after_s=args.metrics_fail_after,
+        replay_sse=args.replay_sse,
+        replay_interval_s=args.replay_interval_ms / 1000,
+        keep_alive_s=args.keep_alive,
+    )
+
+
+async def _serve(config: SimBackendConfig) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(serve_sim_backend, config)
+            shown = f"[{host}]" if ":" in host else host
+            where = f"http://{shown}:{port}"
+            print(
+                f"sim-backend listening on {where} ({config.flavour}, {config.profile})", flush=True
+            )
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except SimBackendError as error:
+        sys.stderr.write(f"inference-guard sim-backend: {error}\n")
+        return 2
+    failure: BaseException | None = None
+    try:
+        trio.run(_serve, config)
+    except* SimBackendError as group:  # e.g. the port is taken
+        failure = group
+        while isinstance(failure, BaseExceptionGroup):
+            failure = failure.exceptions[0]
+    if failure is not None:
+        sys.stderr.write(f"inference-guard sim-backend: {failure}\n")
+        return 1
+    return 0

@@ -1,0 +1,298 @@
+"""``inference-guard simulate``: a request trace through the simulated engine under policies."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from guard_adapters.config import ConfigError, apply_overrides, load_config
+from guard_adapters.engine_model import DEFAULT_PROFILE, PROFILES
+from guard_adapters.simulation import TIERS, SimulationResult, parse_policy, simulate
+from guard_adapters.traces import TraceError, head, premium_flags, read_trace, scale_rate
+
+#: The guard policy learns from metrics; a metrics URL is what turns learning on.
+BASE_ENVIRONMENT = {"DYNAMIC_METRICS_URL": "http://sim/metrics"}
+DEFAULT_POLICIES = ("none", "static:32", "guard")
+_PLOTS = (
+    ("cap", "cap", "admission cap"),
+    ("running", "running", "engine running"),
+    ("waiting", "waiting", "engine waiting"),
+    ("user_tps", "user_tps", "mean per-user tok/s"),
+)
+
+
+def _policy_text(text: str) -> str:
+    try:
+        parse_policy(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text.strip().lower()
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="run a request trace through the simulated engine under several policies",
+        description=(
+            "Closed loop in virtual time, no sockets: each request of a real trace (Azure CSV or"
+            " Mooncake JSONL) meets a policy (none, static:N or the guard) in front of the"
+            " simulated engine. Prints one table per policy with a row per tier."
+        ),
+    )
+    parser.add_argument("--trace", type=Path, required=True, help="trace file")
+    parser.add_argument(
+        "--policy",
+        dest="policies",
+        action="append",
+        type=_policy_text,
+        metavar="POLICY",
+        help=(
+            "none, static:N or guard; repeatable, in the order shown"
+            f" (default: {' '.join(DEFAULT_POLICIES)})"
+        ),
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="VAR=VALUE",
+        help="a guard setting (environment variable name), repeatable",
+    )
+    parser.add_argument(
+        "--rate-scale",
+        type=_positive,
+        default=1.0,
+        metavar="X",
+        help="multiply the arrival rate by X (default 1)",
+    )
+    parser.add_argument(
+        "--premium-share",
+        type=_share,
+        default=0.0,
+        metavar="F",
+        help="tag this share of requests premium (default 0)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="tiers and engine seed (default 0)")
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=DEFAULT_PROFILE,
+        help=f"engine profile (default {DEFAULT_PROFILE})",
+    )
+    parser.add_argument(
+        "--duration",
+        type=_positive,
+        metavar="S",
+        help="keep only the requests arriving in the first S simulated seconds (after scaling)",
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="stop at a malformed trace row instead of skipping"
+    )
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the summaries as JSON")
+    parser.add_argument(
+        "--plot", type=Path, metavar="DIR", help="write PNG charts over time (needs matplotlib)"
+    )
+    parser.set_defaults(handler=run)
+
+
+def _cell(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _table(rows: list[tuple[str, ...]], out: IO[str]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        out.write("  ".join(cells).rstrip() + "\n")
+
+
+def _print_result(result: SimulationResult, seconds: float, out: IO[str]) -> None:
+    out.write(
+        f"policy {result.policy}: {len(result.requests)} requests over"
+        f" {result.duration_s:.0f} s of arrivals, drained at {result.end_s:.0f} s,"
+        f" engine {result.profile}, {result.preemptions} preemptions"
+        f" (simulated in {seconds:.1f} s)\n"
+    )
+    rows: list[tuple[str, ...]] = [
+        (
+            "tier",
+            "requests",
+            "admitted",
+            "rejected",
+            "tok/s p5",
+            "tok/s p50",
+            "TTFT p50",
+            "TTFT p95",
+            "TTFT p99",
+            "goodput/s",
+        )
+    ]
+    for tier in TIERS:
+        s = result.summary[tier]
+        rows.append(
+            (
+                tier,
+                str(s.requests),
+                str(s.admitted),
+                str(s.rejected),
+                _cell(s.user_tps_p5, 1),
+                _cell(s.user_tps_p50, 1),
+                _cell(s.ttft_p50_s, 2),
+                _cell(s.ttft_p95_s, 2),
+                _cell(s.ttft_p99_s, 2),
+                _cell(s.goodput_per_s, 2),
+            )
+        )
+    _table(rows, out)
+    if result.limit_reasons:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in result.limit_reasons.items())
+        out.write(f"cap set by (polls): {reasons}\n")
+    if result.engine_refused:
+        out.write(f"admitted but refused by the engine (too long): {result.engine_refused}\n")
+    out.write("\n")
+
+
+def _load_pyplot() -> Any:
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
+
+
+def _plot(results: Sequence[SimulationResult], directory: Path, pyplot: Any) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, field, title in _PLOTS:
+        figure, axes = pyplot.subplots(figsize=(10, 4))
+        for result in results:
+            points = [(p.at, getattr(p, field)) for p in result.series]
+            if all(value is None for _, value in points):
+                continue  # e.g. the none policy has no cap
+            axes.plot(
+                [at for at, _ in points],
+                [math.nan if value is None else value for _, value in points],
+                label=result.policy,
+                linewidth=0.8,
+            )
+        axes.set_title(title)
+        axes.set_xlabel("simulated seconds")
+        axes.grid(alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend()
+        path = directory / f"{name}.png"
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+        pyplot.close(figure)
+        written.append(path)
+    return written
+
+
+def run(args: argparse.Namespace) -> int:
+    out, err = sys.stdout, sys.stderr
+    policies = list(dict.fromkeys(args.policies or DEFAULT_POLICIES))
+    pyplot = None
+    if args.plot is not None:
+        pyplot = _load_pyplot()
+        if pyplot is None:
+            err.write(
+                "inference-guard simulate: --plot needs matplotlib;"
+                ' install it with: pip install "inference-guard[plot]"\n'
+            )
+            return 2
+    try:
+        environ = apply_overrides(BASE_ENVIRONMENT, args.overrides)
+        settings = load_config(environ)
+    except ConfigError as invalid:
+        err.write(f"inference-guard simulate: invalid settings:\n{invalid}\n")
+        return 2
+    try:
+        trace_file = read_trace(args.trace, strict=args.strict)
+    except TraceError as error:
+        err.write(f"inference-guard simulate: {error}\n")
+        return 1
+    except OSError as error:
+        err.write(f"inference-guard simulate: cannot read {args.trace}: {error.strerror}\n")
+        return 1
+    for skipped in trace_file.skipped[:10]:
+        err.write(f"skipped {skipped}\n")
+    if len(trace_file.skipped) > 10:
+        err.write(f"... and {len(trace_file.skipped) - 10} more malformed rows skipped\n")
+    trace = scale_rate(trace_file.requests, args.rate_scale)
+    if args.duration is not None:
+        trace = head(trace, args.duration)
+    guard_config = settings.guard_config()
+    poll_interval_s = settings.env.dynamic_poll_interval_ms / 1000
+    premium = sum(premium_flags(len(trace), args.premium_share, seed=args.seed))
+    notes = [f"rate x{args.rate_scale:g}", f"{premium} premium", f"seed {args.seed}"]
+    if trace_file.skipped:
+        notes.append(f"{len(trace_file.skipped)} malformed rows skipped")
+    if args.overrides:
+        notes.append("settings: " + ", ".join(args.overrides))
+    out.write(f"{args.trace}: {len(trace)} requests ({trace_file.format}), {', '.join(notes)}\n\n")
+    results = []
+    for text in policies:
+        started = time.process_time()
+        result = simulate(
+            trace,
+            parse_policy(text, guard_config),
+            profile=args.profile,
+            seed=args.seed,
+            premium_share=args.premium_share,
+            poll_interval_s=poll_interval_s,
+        )
+        _print_result(result, time.process_time() - started, out)
+        results.append(result)
+    if args.json is not None:
+        document = {
+            "policies": {result.policy: result.as_json() for result in results},
+            "run": {
+                "trace": str(args.trace),
+                "format": str(trace_file.format),
+                "requests": len(trace),
+                "skipped_rows": len(trace_file.skipped),
+                "rate_scale": args.rate_scale,
+                "premium_share": args.premium_share,
+                "seed": args.seed,
+                "profile": args.profile,
+                "duration_s": args.duration,
+                "settings": list(args.overrides),
+            },
+        }
+        args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    if pyplot is not None:
+        for path in _plot(results, args.plot, pyplot):
+            out.write(f"wrote {path}\n")
+    return 0
