@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from guard_core._errors import GuardError
 
-__all__ = ("AdapterError", "ConfigError", "MetricsParseError")
+__all__ = ("AdapterError", "BodyRewriteError", "ConfigError", "MetricsParseError")
 
 
 class AdapterError(GuardError):
@@ -44,3 +44,21 @@ class ConfigError(AdapterError):
 
     def __reduce__(self) -> tuple[type[ConfigError], tuple[tuple[str, ...]]]:
         return (type(self), (self.messages,))
+
+
+class BodyRewriteError(AdapterError):
+    """A request body that the priority / compat rewriter cannot re-emit (spec 6.3).
+
+    ``offset`` is the 0-based position in the original body where the fault was found, or
+    ``None`` when it concerns the body as a whole; ``reason`` is the bare explanation. A caller
+    that is fail-open forwards the original bytes instead.
+    """
+
+    def __init__(self, reason: str, offset: int | None = None) -> None:
+        where = "request body" if offset is None else f"request body, byte {offset}"
+        super().__init__(f"{where}: {reason}")
+        self.reason = reason
+        self.offset = offset
+
+    def __reduce__(self) -> tuple[type[BodyRewriteError], tuple[str, int | None]]:
+        return (type(self), (self.reason, self.offset))

@@ -1,5 +1,10 @@
 """PIG's environment variables turned into validated settings and guard_core configs (spec 2).
 
+Covers every variable of spec 2 (2.1 core and routing, 2.2 OpenAI compatibility, auth and
+upstream errors, 2.3 attestation, 2.4 output-token classification, 2.5 backend priority
+injection, 2.6 dynamic QoS, 2.7 SSE) plus the guard's own ``PIG_RETRY_AFTER_SECONDS``,
+``PIG_DRAIN_SECONDS`` and ``PIG_RECORD_PATH``.
+
 Reads: a mapping of environment variables, always passed in (``os.environ`` is never touched
 here). Only the variables listed in :data:`VARIABLES` are looked at; everything else in the
 environment is ignored. ``--set VAR=VALUE`` overrides are merged with :func:`apply_overrides`.
@@ -16,21 +21,42 @@ Guarantees:
   each part trimmed and empty parts dropped. A boolean, list or state made only of spaces is
   also treated as empty.
 - Defaults are PIG's, including the ones that follow another variable (the state caps, the
-  running red threshold and the enable flags of the dynamic stages), and a non-positive TTFT
-  threshold falls back to its default.
+  running red threshold, the enable flags of the dynamic stages, ``API_AUTH_ENABLED`` (on when
+  ``TOKEN`` is set), ``API_AUTH_PATHS`` (``PIG_PATHS``), ``ATTESTATION_DSTACK_ENDPOINT``
+  (``DSTACK_SIMULATOR_ENDPOINT``, else ``/var/run/dstack.sock``), the command arguments (they
+  name ``ATTESTATION_GPU_ARCH``) and the two slot counts ``JSON_CLASSIFY_LIMIT`` and
+  ``BACKEND_PRIORITY_REWRITE_LIMIT`` (64, or ``GLOBAL_LIMIT`` when that is between 1 and 63)),
+  and a non-positive TTFT threshold falls back to its default. ``ATTESTATION_GPU_ARCH`` is
+  trimmed and upper-cased, ``BACKEND_PRIORITY_MODE`` and ``BACKEND_PRIORITY_REWRITE_STRATEGY``
+  trimmed and lower-cased; blank, they take their defaults.
+- A feature's own ranges are checked only while it is on, as PIG does: the compat body limit
+  with ``OPENAI_COMPAT_STRIP_EMPTY_TOOL_CALLS``, the command timeout with
+  ``ATTESTATION_ENABLED``, the classifier and output-token thresholds with
+  ``CLASSIFY_OUTPUT_TOKENS``, the ``ADAPTIVE_OUTPUT_*`` ranges with
+  ``ADAPTIVE_OUTPUT_CLASSIFICATION``, every ``BACKEND_PRIORITY_*`` rule with
+  ``BACKEND_PRIORITY_INJECTION_ENABLED``, and the dynamic stages with their flags. The body-size
+  lane thresholds and ``OUTPUT_TOKEN_FIELD_NAMES`` are always checked. ``API_AUTH_PATHS`` is
+  checked like ``PIG_PATHS`` but may be an empty list (``,``) while auth is off, and auth on
+  needs a ``TOKEN``.
 - Backends are resolved by spec 2.1 rules 1-5; every upstream is an http(s) URL with a host and
   no query or fragment, and so is every metrics URL whenever dynamic mode is on.
-- :meth:`Settings.guard_config` never raises for a loaded :class:`Settings`: every range the core
-  checks is checked here first, with the variable's name in the message.
-- :meth:`Settings.redacted` never contains a secret: the token is replaced and passwords inside
-  URLs are masked.
+- :meth:`Settings.guard_config` and the other helpers (:attr:`Settings.auth_paths`,
+  :attr:`Settings.lane_thresholds`, :attr:`Settings.adaptive_output`) never raise for a loaded
+  :class:`Settings`: every range the core checks is checked here first, with the variable's
+  name in the message.
+- :meth:`Settings.redacted` and :meth:`Settings.describe` never contain a secret: ``TOKEN``,
+  ``ATTESTATION_NVIDIA_PAYLOAD_AUTHORIZATION`` and ``ATTESTATION_NVIDIA_PAYLOAD`` (an inline
+  payload may carry evidence) are replaced, and passwords inside URLs are masked.
 
 Adding a variable: add one field to :class:`Environment` (named after the variable in lower
-case, with PIG's default) and, when it has a range, one line in :func:`_problems`.
+case, with PIG's default) and, when it has a range, one line in :func:`_problems` or the
+section helper it calls.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,16 +71,20 @@ from guard_adapters._errors import ConfigError
 from guard_core.decision import LoadState
 from guard_core.gate import GateConfig
 from guard_core.guard import GuardConfig
+from guard_core.lanes import AdaptiveOutputConfig, Thresholds
 from guard_core.policy import PolicyConfig
 from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
 from guard_core.signal_state import SignalThresholds
 
 __all__ = (
+    "PRIORITY_MODES",
     "REDACTED",
+    "REWRITE_STRATEGIES",
     "VARIABLES",
     "Backend",
     "ConfigError",
     "Environment",
+    "LaneThresholds",
     "Settings",
     "apply_overrides",
     "load_config",
@@ -74,6 +104,15 @@ _TTFT_P99_RED_S: Final = 8.0
 #: ``PIG_QUEUE_POLL_MS`` handed to the gate when the configured one is not positive (which is
 #: only allowed while the wait is 0): ten times it is PIG's 250 ms fallback re-check.
 _FALLBACK_POLL_MS: Final = 25
+#: Where the dstack agent listens when neither endpoint variable is set.
+_DSTACK_SOCKET: Final = "/var/run/dstack.sock"
+_GPU_ARCH: Final = "HOPPER"
+#: PIG's cap on the classifier and rewrite slot counts.
+_SLOT_CAP: Final = 64
+#: ``BACKEND_PRIORITY_MODE`` values, the default first.
+PRIORITY_MODES: Final = ("all", "premium_only")
+#: ``BACKEND_PRIORITY_REWRITE_STRATEGY`` values, the default first.
+REWRITE_STRATEGIES: Final = ("field_scan", "append_last")
 
 
 # PIG reads a TTFT threshold that is not positive as its default.
@@ -95,6 +134,31 @@ def _ttft_p99_red(value: float) -> float:
 
 def _dynamic_default(env: Environment) -> bool:
     return bool(_resolve_routing(env).metrics_urls)
+
+
+def _slot_default(env: Environment) -> int:
+    """64, or ``GLOBAL_LIMIT`` when that is positive and smaller."""
+    return env.global_limit if 0 < env.global_limit < _SLOT_CAP else _SLOT_CAP
+
+
+def _dstack_default(env: Environment) -> str:
+    return env.dstack_simulator_endpoint or _DSTACK_SOCKET
+
+
+def _command_args_default(env: Environment) -> tuple[str, ...]:
+    return ("--nonce", "{nonce}", "--arch", env.attestation_gpu_arch)
+
+
+def _gpu_arch(value: str) -> str:
+    return value.strip().upper() or _GPU_ARCH
+
+
+def _priority_mode(value: str) -> str:
+    return value.strip().lower() or PRIORITY_MODES[0]
+
+
+def _rewrite_strategy(value: str) -> str:
+    return value.strip().lower() or REWRITE_STRATEGIES[0]
 
 
 def _follows(name: str) -> Any:
@@ -129,6 +193,75 @@ class Environment:
     pig_retry_after_seconds: int = 1
     pig_drain_seconds: float = 30.0
     pig_record_path: str = ""
+    # -- spec 2.2: OpenAI compatibility, auth, upstream errors
+    api_auth_enabled: bool = attrs.field(
+        default=attrs.Factory(lambda env: bool(env.token), takes_self=True)
+    )
+    api_auth_paths: tuple[str, ...] = _follows("pig_paths")
+    upstream_error_classification_enabled: bool = True
+    openai_compat_strip_empty_tool_calls: bool = True
+    openai_compat_body_bytes: int = 33_554_432
+    openai_compat_fail_open: bool = True
+    # -- spec 2.3: attestation
+    attestation_enabled: bool = True
+    dstack_simulator_endpoint: str = ""
+    attestation_dstack_endpoint: str = attrs.field(
+        default=attrs.Factory(_dstack_default, takes_self=True)
+    )
+    tls_cert_path: str = ""
+    attestation_gpu_arch: str = attrs.field(default=_GPU_ARCH, converter=_gpu_arch)
+    attestation_require_nvidia_evidence: bool = True
+    attestation_nvidia_payload: str = attrs.field(default="", repr=False, metadata={_SECRET: True})
+    attestation_nvidia_payload_file: str = ""
+    attestation_nvidia_payload_url: str = ""
+    attestation_nvidia_payload_authorization: str = attrs.field(
+        default="", repr=False, metadata={_SECRET: True}
+    )
+    attestation_nvidia_command: str = ""
+    attestation_nvidia_command_args: tuple[str, ...] = attrs.field(
+        default=attrs.Factory(_command_args_default, takes_self=True)
+    )
+    attestation_nvidia_command_timeout_seconds: int = 30
+    # -- spec 2.4: output-token classification (lane labels only)
+    classify_output_tokens: bool = False
+    json_classify_body_bytes: int = 2_097_152
+    json_classify_limit: int = attrs.field(default=attrs.Factory(_slot_default, takes_self=True))
+    output_token_field_names: tuple[str, ...] = (
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+    )
+    medium_body_bytes: int = 60_000
+    long_body_bytes: int = 100_000
+    very_long_body_bytes: int = 524_288
+    medium_output_tokens: int = 1024
+    long_output_tokens: int = 4096
+    very_long_output_tokens: int = 8192
+    adaptive_output_classification: bool = False
+    adaptive_output_window: int = 512
+    adaptive_output_min_samples: int = 32
+    adaptive_output_medium_quantile: float = 0.50
+    adaptive_output_long_quantile: float = 0.90
+    adaptive_output_very_quantile: float = 0.99
+    adaptive_output_green_relax: float = 1.0
+    adaptive_output_yellow_relax: float = 0.5
+    adaptive_output_red_relax: float = 0.0
+    # -- spec 2.5: backend priority injection
+    backend_priority_injection_enabled: bool = True
+    backend_priority_mode: str = attrs.field(default=PRIORITY_MODES[0], converter=_priority_mode)
+    backend_priority_rewrite_strategy: str = attrs.field(
+        default=REWRITE_STRATEGIES[0], converter=_rewrite_strategy
+    )
+    backend_priority_field: str = "priority"
+    backend_priority_premium_value: int = -100
+    backend_priority_basic_value: int = 0
+    backend_priority_body_bytes: int = 33_554_432
+    backend_priority_buffer_bytes: int = 0
+    backend_priority_stream_buffer_bytes: int = 2_097_152
+    backend_priority_rewrite_limit: int = attrs.field(
+        default=attrs.Factory(_slot_default, takes_self=True)
+    )
+    backend_priority_fail_open: bool = True
     # -- spec 2.6: dynamic QoS
     dynamic_metrics_url: str = ""
     dynamic_metrics_urls: tuple[str, ...] = ()
@@ -179,6 +312,9 @@ class Environment:
     dynamic_ttft_p99_red_seconds: float = attrs.field(
         default=_TTFT_P99_RED_S, converter=_ttft_p99_red
     )
+    # -- spec 2.7: SSE
+    sse_keepalive_enabled: bool = False
+    sse_early_bridge_enabled: bool = False
 
 
 def _variable(attribute: attrs.Attribute[Any]) -> str:
@@ -203,6 +339,17 @@ class Backend:
     metrics_url: str | None = None
 
 
+@attrs.frozen
+class LaneThresholds:
+    """The lane thresholds in force (spec 6.4): lower bounds of the medium, long and very long
+    lanes, for body sizes in bytes and for requested output tokens."""
+
+    body: Thresholds
+    #: None while ``CLASSIFY_OUTPUT_TOKENS`` is off: no output lane is ever computed then, and
+    #: the ``*_OUTPUT_TOKENS`` variables are not checked.
+    output: Thresholds | None
+
+
 @attrs.frozen(kw_only=True)
 class Settings:
     """Validated settings: every variable's value plus what is derived from several of them.
@@ -220,6 +367,10 @@ class Settings:
     metrics_urls: tuple[str, ...]
     #: ``PIG_PATHS`` with ``PIG_PATH_SUFFIX_MATCH``.
     paths: PathPolicy
+    #: ``API_AUTH_PATHS`` with ``PIG_PATH_SUFFIX_MATCH``: the generation paths whose POSTs need
+    #: the bearer token while :attr:`api_auth_enabled`. With auth off the list may be empty;
+    #: this then holds ``PIG_PATHS``, which nothing consults.
+    auth_paths: PathPolicy
     #: ``LISTEN`` split into host ("" means every interface) and port.
     listen_host: str
     listen_port: int
@@ -239,6 +390,7 @@ class Settings:
             backend_routing=routing.backend_routing,
             metrics_urls=routing.metrics_urls,
             paths=PathPolicy(env.pig_paths, env.pig_path_suffix_match),
+            auth_paths=PathPolicy(env.api_auth_paths or env.pig_paths, env.pig_path_suffix_match),
             listen_host=listen[0],
             listen_port=listen[1],
         )
@@ -252,6 +404,136 @@ class Settings:
     def dynamic_enforced(self) -> bool:
         """The gate uses the learned cap: dynamic mode is both enabled and enforced."""
         return self.env.dynamic_pig_enabled and self.env.dynamic_pig_enforce
+
+    @property
+    def api_auth_enabled(self) -> bool:
+        """``API_AUTH_ENABLED``: POSTs to :attr:`auth_paths` need ``Bearer <TOKEN>``."""
+        return self.env.api_auth_enabled
+
+    # -- spec 2.3
+
+    @property
+    def dstack_base_url(self) -> str | None:
+        """The dstack agent's base URL when the effective endpoint is http(s), else None."""
+        endpoint = self.env.attestation_dstack_endpoint
+        if endpoint[:8].lower().startswith(("http://", "https://")):
+            return endpoint
+        return None
+
+    @property
+    def dstack_socket_path(self) -> str | None:
+        """The dstack agent's Unix socket when the effective endpoint is not a URL, else None."""
+        if self.dstack_base_url is not None:
+            return None
+        return self.env.attestation_dstack_endpoint
+
+    # -- spec 2.4
+
+    @property
+    def lane_thresholds(self) -> LaneThresholds:
+        """The ``*_BODY_BYTES`` thresholds, and the ``*_OUTPUT_TOKENS`` ones when classifying."""
+        env = self.env
+        body = Thresholds((env.medium_body_bytes, env.long_body_bytes, env.very_long_body_bytes))
+        if not env.classify_output_tokens:
+            return LaneThresholds(body, None)
+        output = Thresholds(
+            (env.medium_output_tokens, env.long_output_tokens, env.very_long_output_tokens)
+        )
+        return LaneThresholds(body, output)
+
+    @property
+    def adaptive_output(self) -> AdaptiveOutputConfig | None:
+        """The adaptive output thresholds' settings while both ``CLASSIFY_OUTPUT_TOKENS`` and
+        ``ADAPTIVE_OUTPUT_CLASSIFICATION`` are on, else None."""
+        env = self.env
+        output = self.lane_thresholds.output
+        if output is None or not env.adaptive_output_classification:
+            return None
+        return AdaptiveOutputConfig(
+            static=output,
+            window=env.adaptive_output_window,
+            min_samples=env.adaptive_output_min_samples,
+            quantiles=(
+                env.adaptive_output_medium_quantile,
+                env.adaptive_output_long_quantile,
+                env.adaptive_output_very_quantile,
+            ),
+            green_relax=env.adaptive_output_green_relax,
+            yellow_relax=env.adaptive_output_yellow_relax,
+            red_relax=env.adaptive_output_red_relax,
+        )
+
+    # -- spec 2.2 and 2.5: the body rewrite (values are checked only while their feature is on)
+
+    @property
+    def priority_enabled(self) -> bool:
+        """``BACKEND_PRIORITY_INJECTION_ENABLED``."""
+        return self.env.backend_priority_injection_enabled
+
+    @property
+    def priority_mode(self) -> str:
+        """``BACKEND_PRIORITY_MODE``: ``all`` or ``premium_only`` (lower-cased)."""
+        return self.env.backend_priority_mode
+
+    @property
+    def priority_strategy(self) -> str:
+        """``BACKEND_PRIORITY_REWRITE_STRATEGY``: ``field_scan`` or ``append_last``."""
+        return self.env.backend_priority_rewrite_strategy
+
+    @property
+    def priority_field(self) -> str:
+        """``BACKEND_PRIORITY_FIELD``: the top-level member written first."""
+        return self.env.backend_priority_field
+
+    @property
+    def priority_premium_value(self) -> int:
+        """``BACKEND_PRIORITY_PREMIUM_VALUE``."""
+        return self.env.backend_priority_premium_value
+
+    @property
+    def priority_basic_value(self) -> int:
+        """``BACKEND_PRIORITY_BASIC_VALUE``."""
+        return self.env.backend_priority_basic_value
+
+    @property
+    def priority_body_bytes(self) -> int:
+        """``BACKEND_PRIORITY_BODY_BYTES``: the largest Content-Length rewritten."""
+        return self.env.backend_priority_body_bytes
+
+    @property
+    def priority_buffer_bytes(self) -> int:
+        """``BACKEND_PRIORITY_BUFFER_BYTES``: field_scan rewrites up to this size are buffered."""
+        return self.env.backend_priority_buffer_bytes
+
+    @property
+    def priority_stream_buffer_bytes(self) -> int:
+        """``BACKEND_PRIORITY_STREAM_BUFFER_BYTES``: scanner and safety-buffer ceiling."""
+        return self.env.backend_priority_stream_buffer_bytes
+
+    @property
+    def priority_rewrite_limit(self) -> int:
+        """``BACKEND_PRIORITY_REWRITE_LIMIT``: concurrent rewrite slots."""
+        return self.env.backend_priority_rewrite_limit
+
+    @property
+    def priority_fail_open(self) -> bool:
+        """``BACKEND_PRIORITY_FAIL_OPEN``."""
+        return self.env.backend_priority_fail_open
+
+    @property
+    def compat_strip_empty_tool_calls(self) -> bool:
+        """``OPENAI_COMPAT_STRIP_EMPTY_TOOL_CALLS``."""
+        return self.env.openai_compat_strip_empty_tool_calls
+
+    @property
+    def compat_body_bytes(self) -> int:
+        """``OPENAI_COMPAT_BODY_BYTES``: the largest Content-Length cleaned up."""
+        return self.env.openai_compat_body_bytes
+
+    @property
+    def compat_fail_open(self) -> bool:
+        """``OPENAI_COMPAT_FAIL_OPEN``."""
+        return self.env.openai_compat_fail_open
 
     def guard_config(self) -> GuardConfig:
         """The pure core's settings."""
@@ -326,12 +608,28 @@ class Settings:
         """
         shown: dict[str, str] = {}
         for name, attribute in _FIELDS.items():
-            text = _as_text(getattr(self.env, attribute.name))
+            value = getattr(self.env, attribute.name)
+            text = _as_text(value)
+            if value == () and attribute.default != ():
+                # An empty list where the default is not: "," reads back as an empty list,
+                # whereas "" would mean the default.
+                text = ","
             if attribute.metadata.get(_SECRET):
                 shown[name] = REDACTED if text else ""
             else:
                 shown[name] = _mask_passwords(text)
         return shown
+
+    def describe(self) -> str:
+        """The effective configuration, one ``VAR=value`` line per variable, sorted by name.
+
+        The values are those of :meth:`redacted` (so no secret appears). A value holding a
+        character that is not printable (a line break, say) is written as a JSON string, so
+        each variable stays on one line. No trailing line break.
+        """
+        return "\n".join(
+            f"{name}={_one_line(value)}" for name, value in sorted(self.redacted().items())
+        )
 
 
 def load_config(environ: Mapping[str, str]) -> Settings:
@@ -392,6 +690,7 @@ _NON_FINITE = re.compile(r"[+-]?(?:inf|infinity|nan)", re.IGNORECASE)
 _INT64 = 2**63
 _TRUE = frozenset({"1", "true", "yes", "y", "on"})
 _FALSE = frozenset({"0", "false", "no", "n", "off"})
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _STATES = {state.value: state for state in (LoadState.GREEN, LoadState.YELLOW, LoadState.RED)}
 
 
@@ -515,6 +814,10 @@ def _as_text(value: object) -> str:
     if isinstance(value, tuple):
         return ",".join(value)
     return str(value)
+
+
+def _one_line(text: str) -> str:
+    return text if text.isprintable() else json.dumps(text)
 
 
 _USERINFO_PASSWORD = re.compile(r"(://[^/?#@:\s,|]*:)[^/?#@\s,|]*@")
@@ -705,23 +1008,60 @@ class _Checks:
                 f" got {_number(low_value)}",
             )
 
+    def below(self, low: attrs.Attribute[Any], high: attrs.Attribute[Any]) -> None:
+        low_value, high_value = self._value(low), self._value(high)
+        if not low_value < high_value:
+            self.add(
+                [_variable(low), _variable(high)],
+                f"must be below {_variable(high)} ({_number(high_value)}),"
+                f" got {_number(low_value)}",
+            )
 
-def _path_problems(checks: _Checks) -> None:
-    paths = checks.env.pig_paths
-    if not paths:
-        checks.add(["PIG_PATHS"], "must name at least one path")
+    def one_of(self, field: attrs.Attribute[Any], choices: Sequence[str]) -> None:
+        value = self._value(field)
+        if value not in choices:
+            self.add([_variable(field)], f"must be {' or '.join(choices)}, got {_shown(value)}")
+
+    def identifiers(self, field: attrs.Attribute[Any]) -> None:
+        """Each name (a string or a list of them) is an ASCII identifier; none is repeated."""
+        value = self._value(field)
+        names = (value,) if isinstance(value, str) else value
+        seen: set[str] = set()
+        for name in names:
+            if not _IDENTIFIER.fullmatch(name):
+                self.add(
+                    [_variable(field)],
+                    f"{_shown(name)} must be a letter or '_' followed by letters, digits or '_'",
+                )
+            if name in seen:
+                self.add([_variable(field)], f"{_shown(name)} is listed twice")
+            seen.add(name)
+
+    def increasing(self, fields: Sequence[attrs.Attribute[Any]]) -> None:
+        """Three lane thresholds: each > 0, each strictly below the next."""
+        for field in fields:
+            self.above(field, 0)
+        for low, high in itertools.pairwise(fields):
+            self.below(low, high)
+
+
+def _path_problems(checks: _Checks, field: attrs.Attribute[Any], *, required: bool) -> None:
+    name = _variable(field)
+    paths: tuple[str, ...] = getattr(checks.env, field.name)
+    if not paths and required:
+        checks.add([name], "must name at least one path")
     seen: set[str] = set()
     for path in paths:
         try:
             PathPolicy((path,))
         except ValueError:
             checks.add(
-                ["PIG_PATHS"],
+                [name],
                 f"{_shown(path)} must start with '/' and use only letters, digits, '_', '.',"
                 " '-' and '/'",
             )
         if path in seen:
-            checks.add(["PIG_PATHS"], f"{_shown(path)} is listed twice")
+            checks.add([name], f"{_shown(path)} is listed twice")
         seen.add(path)
 
 
@@ -763,7 +1103,7 @@ def _routing_problems(checks: _Checks, routing: _Routing) -> None:
 
 
 def _problems(env: Environment) -> list[_Problem]:
-    """Every range and cross-variable rule of spec 2.1 and 2.6 that ``env`` breaks."""
+    """Every range and cross-variable rule of spec 2 that ``env`` breaks."""
     c = _Checks(env)
     f = _F
     # spec 2.1 and the guard's own variables
@@ -771,7 +1111,7 @@ def _problems(env: Environment) -> list[_Problem]:
         c.add(["LISTEN"], f"expected [host]:port with a numeric port, got {_shown(env.listen)}")
     _routing_problems(c, _resolve_routing(env))
     c.at_least(f.global_limit, 0)
-    _path_problems(c)
+    _path_problems(c, f.pig_paths, required=True)
     c.above(f.proxy_timeout_seconds, 0)
     c.at_least(f.pig_status_log_interval_seconds, 0)
     c.at_least(f.pig_queue_wait_seconds, 0)
@@ -779,6 +1119,64 @@ def _problems(env: Environment) -> list[_Problem]:
         c.above(f.pig_queue_poll_ms, 0)
     c.at_least(f.pig_retry_after_seconds, 0)
     c.at_least(f.pig_drain_seconds, 0)
+    _feature_problems(c)
+    _dynamic_problems(c)
+    return c.found
+
+
+def _feature_problems(c: _Checks) -> None:
+    """Spec 2.2 to 2.5: auth, compat cleanup, attestation, lanes and the priority rewrite."""
+    env, f = c.env, _F
+    # spec 2.2
+    if env.api_auth_enabled and not env.token:
+        c.add(["API_AUTH_ENABLED", "TOKEN"], "is on but TOKEN is empty")
+    if env.api_auth_paths != env.pig_paths:
+        _path_problems(c, f.api_auth_paths, required=env.api_auth_enabled)
+    if env.openai_compat_strip_empty_tool_calls:
+        c.above(f.openai_compat_body_bytes, 0)
+    # spec 2.3
+    if env.attestation_enabled:
+        c.above(f.attestation_nvidia_command_timeout_seconds, 0)
+    # spec 2.4
+    c.identifiers(f.output_token_field_names)
+    c.increasing((f.medium_body_bytes, f.long_body_bytes, f.very_long_body_bytes))
+    if env.classify_output_tokens:
+        c.above(f.json_classify_body_bytes, 0)
+        c.above(f.json_classify_limit, 0)
+        c.increasing((f.medium_output_tokens, f.long_output_tokens, f.very_long_output_tokens))
+    if env.adaptive_output_classification:
+        c.above(f.adaptive_output_window, 0)
+        c.at_least(f.adaptive_output_min_samples, 0)
+        c.not_above(f.adaptive_output_min_samples, f.adaptive_output_window)
+        quantiles = (
+            f.adaptive_output_medium_quantile,
+            f.adaptive_output_long_quantile,
+            f.adaptive_output_very_quantile,
+        )
+        relax = (
+            f.adaptive_output_red_relax,
+            f.adaptive_output_yellow_relax,
+            f.adaptive_output_green_relax,
+        )
+        for ordered in (quantiles, relax):
+            for field in ordered:
+                c.within(field, 0, 1)
+            for low, high in itertools.pairwise(ordered):
+                c.not_above(low, high)
+    # spec 2.5
+    if env.backend_priority_injection_enabled:
+        c.one_of(f.backend_priority_mode, PRIORITY_MODES)
+        c.one_of(f.backend_priority_rewrite_strategy, REWRITE_STRATEGIES)
+        c.identifiers(f.backend_priority_field)
+        c.above(f.backend_priority_body_bytes, 0)
+        c.at_least(f.backend_priority_buffer_bytes, 0)
+        c.above(f.backend_priority_stream_buffer_bytes, 0)
+        c.above(f.backend_priority_rewrite_limit, 0)
+
+
+def _dynamic_problems(c: _Checks) -> None:
+    """Spec 2.6."""
+    env, f = c.env, _F
     # spec 2.6, always checked
     c.above(f.dynamic_poll_interval_ms, 0)
     c.at_least(f.dynamic_global_green_limit, 0, unless_same_as=f.global_limit)
@@ -824,4 +1222,3 @@ def _problems(env: Environment) -> list[_Problem]:
     if env.dynamic_ttft_enabled:
         c.not_above(f.dynamic_ttft_target_seconds, f.dynamic_ttft_red_seconds)
         c.not_above(f.dynamic_ttft_p99_target_seconds, f.dynamic_ttft_p99_red_seconds)
-    return c.found

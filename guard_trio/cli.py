@@ -11,7 +11,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from guard_trio import __version__, _record, _replay_cli, _sim_backend_cli, _simulate_cli
+from guard_trio import (
+    __version__,
+    _record,
+    _replay_cli,
+    _serve_cli,
+    _sim_backend_cli,
+    _simulate_cli,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"inference-guard {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _serve_cli.add_parser(subparsers)
     _replay_cli.add_parser(subparsers)
     _record.add_parser(subparsers)
     _sim_backend_cli.add_parser(subparsers)

@@ -1,0 +1,493 @@
+"""Routing and forwarding: what the guard does with each request (spec 1, 6, 7, 8, 9).
+
+Reads: the request head and body from :class:`~guard_trio._downstream.Downstream`, the settings,
+the guard engine's decisions, and the backends' responses.
+Guarantees:
+- routing order: ``/healthz``, ``/pig/metrics``, ``/v1/metrics``, ``/v1/upstream-status``,
+  ``/v1/attestation/report``, generation-route auth, then QoS for POST to an admitted path and
+  plain forwarding for everything else;
+- exactly one response per request, or none when the client already left; a slot taken for a
+  request is released exactly once on every path (success, error, timeout, cancellation);
+- refusals, upstream failures before the response head and internal errors all answer PIG's
+  429 body (with ``Retry-After`` unless ``PIG_RETRY_AFTER_SECONDS=0``); internal reasons never
+  reach the client;
+- client-sent ``X-PIG-*`` headers never reach a backend; hop-by-hop headers are removed both
+  ways; the upstream Host is the backend's own;
+- a client that disconnects while its request waits or is being served cancels the wait or the
+  upstream exchange at once (the upstream connection is closed, not reused);
+- an upstream 500 caused by the client is rewritten to 400/422 (spec 7) when enabled; other
+  responses pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from urllib.parse import unquote
+
+import h11
+import trio
+
+from guard_adapters.config import Settings
+from guard_adapters.sse import FirstUsefulEventScanner
+from guard_core import GuardError, Tier, tier_from_header_values, upstream_status_digit
+from guard_core.backend_choice import BackendView, choose_backend
+from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
+from guard_trio._downstream import ClientGone, Downstream
+from guard_trio._engine import GuardEngine, Slot
+from guard_trio._http import fetch
+from guard_trio._upstream import UpstreamConnection, UpstreamError, UpstreamPool, UpstreamTarget
+
+__all__ = ("TOO_MANY_REQUESTS_BODY", "ProxyApp")
+
+TOO_MANY_REQUESTS_BODY = (
+    b'{"error":{"message":"Too many requests","type":"TooManyRequestsError",'
+    b'"param":null,"code":429}}\n'
+)
+UNAUTHORIZED_JSON = (
+    b'{"error":{"message":"Invalid or missing Authorization header","type":"AuthenticationError",'
+    b'"param":null,"code":401}}\n'
+)
+_JSON = (b"content-type", b"application/json")
+_TEXT = (b"content-type", b"text/plain; charset=utf-8")
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"proxy-connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_BUFFER_LIMIT = 2 * 1024 * 1024
+_BACKEND_PAGE_LIMIT = 16 * 1024 * 1024
+
+
+def _hop_by_hop(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    named = {
+        token.strip().lower()
+        for name, value in headers
+        if name == b"connection"
+        for token in value.split(b",")
+    }
+    return _HOP_BY_HOP | named
+
+
+def _header_values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
+    return [value for key, value in headers if key == name]
+
+
+class ProxyApp:
+    """Everything one request needs, shared by all connections."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: GuardEngine,
+        pool: UpstreamPool,
+        *,
+        local_metrics: Callable[[], bytes] = lambda: b"",
+        metrics_content_type: bytes = b"text/plain; version=0.0.4; charset=utf-8",
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.pool = pool
+        self.local_metrics = local_metrics
+        self.metrics_content_type = metrics_content_type
+        env = settings.env
+        self.targets = tuple(UpstreamTarget.from_url(b.name, b.upstream) for b in settings.backends)
+        self.backend_inflight = [0] * len(self.targets)
+        self.expected_authorization = b"Bearer " + env.token.encode() if env.token else None
+        self.proxy_timeout_s = float(env.proxy_timeout_seconds)
+        self.retry_after = (
+            str(env.pig_retry_after_seconds).encode() if env.pig_retry_after_seconds > 0 else None
+        )
+        self.api_auth_paths = getattr(settings, "auth_paths", settings.paths)
+        self.api_auth_enabled: bool = getattr(env, "api_auth_enabled", bool(env.token))
+        self.classify_errors: bool = getattr(env, "upstream_error_classification_enabled", True)
+        self.attestation_enabled: bool = getattr(env, "attestation_enabled", True)
+
+    # -- small responses -----------------------------------------------------------------------
+
+    async def too_many_requests(self, down: Downstream) -> None:
+        headers = [_JSON]
+        if self.retry_after is not None:
+            headers.append((b"retry-after", self.retry_after))
+        await down.respond(429, headers, TOO_MANY_REQUESTS_BODY)
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Exactly one Authorization header, equal in constant time to ``Bearer <TOKEN>``."""
+        expected = self.expected_authorization
+        values = _header_values(headers, b"authorization")
+        if expected is None or len(values) != 1:
+            return False
+        return hmac.compare_digest(values[0], expected)
+
+    # -- routing -------------------------------------------------------------------------------
+
+    async def handle(self, down: Downstream, request: h11.Request) -> None:
+        target = request.target.decode("latin-1")
+        raw_path, _, _query = target.partition("?")
+        if "://" in raw_path:  # absolute-form
+            raw_path = "/" + raw_path.split("://", 1)[1].partition("/")[2]
+        path = unquote(raw_path)
+        headers = list(request.headers)
+        method = request.method
+        if path == "/healthz":
+            await self.discard_body(down)
+            await down.respond(200, [_TEXT], b"ok\n")
+            return
+        if path in ("/pig/metrics", "/v1/metrics", "/v1/upstream-status"):
+            await self.discard_body(down)
+            if not self.authorized(headers):
+                await down.respond(401, [_TEXT], b"unauthorized\n")
+                return
+            if path == "/v1/upstream-status":
+                digit = upstream_status_digit(self.engine.state.gate)
+                await down.respond(200, [_TEXT], f"{int(digit)}\n".encode())
+            elif path == "/pig/metrics":
+                await down.respond(
+                    200, [(b"content-type", self.metrics_content_type)], self.local_metrics()
+                )
+            else:
+                await down.respond(
+                    200, [(b"content-type", self.metrics_content_type)], await self.all_metrics()
+                )
+            return
+        if path == "/v1/attestation/report":
+            await self.discard_body(down)
+            if not self.authorized(headers):
+                await down.respond(401, [_JSON], UNAUTHORIZED_JSON)
+            elif method != b"GET":
+                await down.respond(405, [_TEXT], b"method not allowed\n")
+            elif not self.attestation_enabled:
+                await down.respond(404, [_TEXT], b"404 page not found\n")
+            else:
+                body = b'{"error":"attestation evidence unavailable"}\n'
+                await down.respond(503, [_JSON], body)
+            return
+        admitted_path = method == b"POST" and self.settings.paths.matches(path)
+        if (
+            method == b"POST"
+            and self.api_auth_enabled
+            and self.api_auth_paths.matches(path)
+            and not self.authorized(headers)
+        ):
+            await self.discard_body(down)
+            await down.respond(401, [_JSON], UNAUTHORIZED_JSON)
+            return
+        if _header_values(headers, b"upgrade") and admitted_path:
+            await self.discard_body(down)
+            await down.respond(400, [_TEXT], b"upgrade not allowed on this route\n")
+            return
+        if admitted_path:
+            await self.admitted(down, request, headers)
+        else:
+            await self.forward(down, request, headers, slot=None, tier=None)
+
+    async def discard_body(self, down: Downstream) -> None:
+        while True:
+            event = await down.next_event()
+            if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                return
+
+    async def read_body(self, down: Downstream, limit: int) -> tuple[list[bytes], bool]:
+        """Read up to ``limit`` bytes of body; returns (chunks, complete)."""
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            event = await down.next_event()
+            if isinstance(event, h11.Data):
+                chunks.append(bytes(event.data))
+                size += len(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return chunks, True
+            elif isinstance(event, h11.ConnectionClosed):
+                raise ClientGone("client closed while sending its body")
+        return chunks, False
+
+    # -- QoS -----------------------------------------------------------------------------------
+
+    async def admitted(
+        self, down: Downstream, request: h11.Request, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        """QoS: wait for a slot (or a refusal), then forward; the slot is released once."""
+        tier = tier_from_header_values(_header_values(headers, b"x-user-tier"))
+        length = _content_length(headers)
+        path = request.target.decode("latin-1").partition("?")[0]
+        body: list[bytes] | None = None
+        if length is not None and length <= _BUFFER_LIMIT:
+            body, _complete = await self.read_body(down, _BUFFER_LIMIT)
+        refused = False
+        with trio.CancelScope() as client_scope:
+            async with trio.open_nursery() as nursery:
+                if body is not None:
+                    # The request is fully read: from now on, a closed client cancels everything.
+                    nursery.start_soon(down.watch_for_disconnect, client_scope)
+                result = await self.engine.admit(tier, path=path, body_bytes=length)
+                if result.slot is None:
+                    refused = True
+                else:
+                    status = 499
+                    try:
+                        status = await self.forward(
+                            down, request, headers, slot=result.slot, tier=tier, body=body
+                        )
+                    finally:
+                        result.slot.release(status)
+                nursery.cancel_scope.cancel()
+        if refused and not down.gone:
+            await self.discard_remaining(down)
+            await self.too_many_requests(down)
+
+    async def discard_remaining(self, down: Downstream) -> None:
+        if down.h11.their_state is h11.SEND_BODY:
+            await self.discard_body(down)
+
+    # -- forwarding ----------------------------------------------------------------------------
+
+    def pick_backend(self) -> int:
+        if len(self.targets) == 1:
+            return 0
+        statuses = dict(self.engine.state.learner.backends)
+        views = []
+        for index, target in enumerate(self.targets):
+            status = statuses.get(target.name)
+            sample = status.sample if status is not None else None
+            views.append(
+                BackendView(
+                    name=target.name,
+                    failed=bool(status and status.failed),
+                    updated_at=status.at if status is not None else None,
+                    generation_tps=None,
+                    running=int(sample.running or 0) if sample else 0,
+                    waiting=int(sample.waiting or 0) if sample else 0,
+                    kv_usage=float(sample.kv_usage or 0.0) if sample else 0.0,
+                    inflight=self.backend_inflight[index],
+                )
+            )
+        interval = self.settings.env.dynamic_poll_interval_ms / 1000
+        chosen = choose_backend(
+            views,
+            now=self.engine.seconds_since_start(),
+            poll_interval_s=interval,
+            dynamic=self.settings.dynamic_enabled,
+        )
+        return chosen or 0
+
+    def upstream_headers(
+        self,
+        down: Downstream,
+        headers: list[tuple[bytes, bytes]],
+        target: UpstreamTarget,
+        *,
+        tier: Tier | None,
+        body_length: int | None,
+    ) -> list[tuple[bytes, bytes]]:
+        drop = _hop_by_hop(headers) | {b"host", b"content-length", b"x-forwarded-for"}
+        out = [
+            (name, value)
+            for name, value in headers
+            if name not in drop and not name.startswith(b"x-pig-")
+        ]
+        out.insert(0, (b"host", target.authority.encode()))
+        forwarded = b", ".join([*_header_values(headers, b"x-forwarded-for"), down.peer.encode()])
+        out.append((b"x-forwarded-for", forwarded))
+        out.append((b"x-pig-backend", target.name.encode()))
+        if tier is not None:
+            out.append((b"x-pig-tier", str(tier).encode()))
+            out.append((b"x-pig-lane", b"default"))
+        if body_length is not None:
+            out.append((b"content-length", str(body_length).encode()))
+        else:
+            out.append((b"transfer-encoding", b"chunked"))
+        return out
+
+    async def forward(
+        self,
+        down: Downstream,
+        request: h11.Request,
+        headers: list[tuple[bytes, bytes]],
+        *,
+        slot: Slot | None,
+        tier: Tier | None,
+        body: list[bytes] | None = None,
+    ) -> int:
+        """Forward one request and relay the response; returns the status the client got."""
+        index = self.pick_backend()
+        target = self.targets[index]
+        body_length = sum(len(c) for c in body) if body is not None else _content_length(headers)
+        if body is None and request.method in (b"GET", b"HEAD") and body_length is None:
+            body_length = 0 if not _header_values(headers, b"transfer-encoding") else None
+        upstream_request = h11.Request(
+            method=request.method,
+            target=target.base_path.encode() + request.target,
+            headers=self.upstream_headers(
+                down, headers, target, tier=tier, body_length=body_length
+            ),
+        )
+        self.backend_inflight[index] += 1
+        status = 0
+        try:
+            with trio.move_on_after(self.proxy_timeout_s) as deadline:
+                try:
+                    async with self.pool.connection(target) as up:
+                        await up.send(upstream_request)
+                        if body is not None:
+                            for chunk in body:
+                                await up.send(h11.Data(data=chunk))
+                        else:
+                            while True:
+                                event = await down.next_event()
+                                if isinstance(event, h11.Data):
+                                    await up.send(h11.Data(data=event.data))
+                                elif isinstance(event, h11.EndOfMessage):
+                                    break
+                                else:
+                                    raise ClientGone("client closed while sending its body")
+                        await up.send(h11.EndOfMessage())
+                        status = await self.relay_response(down, up, slot)
+                except UpstreamError:
+                    if down.can_respond:  # nothing sent to the client yet
+                        await self.discard_remaining(down)
+                        await self.too_many_requests(down)
+                        return 429
+                    raise ClientGone("upstream broke mid-response") from None
+            if deadline.cancelled_caught:
+                if down.can_respond:
+                    await self.discard_remaining(down)
+                    await self.too_many_requests(down)
+                    return 429
+                raise ClientGone("proxy timeout mid-response")
+        finally:
+            self.backend_inflight[index] -= 1
+        return status
+
+    async def relay_response(
+        self, down: Downstream, up: UpstreamConnection, slot: Slot | None
+    ) -> int:
+        """Copy the upstream response to the client; returns the status sent."""
+        event = await up.next_event()
+        while isinstance(event, h11.InformationalResponse):
+            event = await up.next_event()
+        assert isinstance(event, h11.Response)
+        status = event.status_code
+        upstream_headers = list(event.headers)
+        drop = _hop_by_hop(upstream_headers)
+        headers = [(name, value) for name, value in upstream_headers if name not in drop]
+        content_type = next((v for k, v in upstream_headers if k == b"content-type"), b"")
+        length = _content_length(upstream_headers)
+        if self.classify_errors and is_candidate(status, content_type, length):
+            chunks: list[bytes] = []
+            size = 0
+            complete = False
+            while size <= BODY_LIMIT:
+                part = await up.next_event()
+                if isinstance(part, h11.Data):
+                    chunks.append(bytes(part.data))
+                    size += len(part.data)
+                elif isinstance(part, h11.EndOfMessage):
+                    complete = True
+                    break
+            if complete:
+                body = b"".join(chunks)
+                rewritten = reclassify(status, content_type, body)
+                if rewritten is not None:
+                    await down.respond(rewritten.status, _without_length(headers), rewritten.body)
+                    return rewritten.status
+                await down.respond(status, _without_length(headers), body)
+                return status
+            await down.send(
+                h11.Response(status_code=status, headers=headers, reason=event.reason),
+                h11.Data(data=b"".join(chunks)),
+            )
+            await self.copy_body(down, up, scanner=None, slot=None)
+            return status
+        is_sse = status == 200 and b"text/event-stream" in content_type.lower()
+        scanner = FirstUsefulEventScanner() if slot is not None and is_sse else None
+        head = h11.Response(status_code=status, headers=headers, reason=event.reason)
+        first = up.h11.next_event()  # whatever is already buffered goes out with the head
+        if isinstance(first, h11.Data):
+            await down.send(head, h11.Data(data=first.data))
+            if scanner is not None and scanner.feed(bytes(first.data)) and slot is not None:
+                slot.first_token()
+        elif isinstance(first, h11.EndOfMessage):
+            await down.send(head, h11.EndOfMessage())
+            return status
+        else:
+            await down.send(head)
+        await self.copy_body(down, up, scanner=scanner, slot=slot)
+        return status
+
+    async def copy_body(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        *,
+        scanner: FirstUsefulEventScanner | None,
+        slot: Slot | None,
+    ) -> None:
+        """Pass body chunks through as they come; scan only until the first useful SSE event."""
+        while True:
+            event = await up.next_event()
+            if isinstance(event, h11.Data):
+                await down.send(h11.Data(data=event.data))
+                if scanner is not None:
+                    if scanner.feed(bytes(event.data)) and slot is not None:
+                        slot.first_token()
+                    if scanner.done or scanner.limit_reached:
+                        scanner = None
+            elif isinstance(event, h11.EndOfMessage):
+                await down.send(h11.EndOfMessage())
+                return
+
+    # -- /v1/metrics -----------------------------------------------------------------------------
+
+    async def all_metrics(self) -> bytes:
+        parts = [self.local_metrics(), b"\n# --- Backend Metrics ---\n"]
+        fetched = 0
+        for backend in self.settings.backends:
+            if not backend.metrics_url:
+                parts.append(f"# backend {backend.name} metrics URL is empty\n".encode())
+                continue
+            parts.append(f"\n# --- backend {backend.name} {backend.metrics_url} ---\n".encode())
+            try:
+                response = await fetch(
+                    backend.metrics_url, timeout_s=2.0, max_bytes=_BACKEND_PAGE_LIMIT
+                )
+            except (trio.TooSlowError, GuardError) as exc:
+                reason = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
+                parts.append(f"# failed to fetch backend metrics: {reason}\n".encode())
+                continue
+            if response.status != 200:
+                parts.append(f"# backend metrics status {response.status}\n".encode())
+                continue
+            fetched += 1
+            body = response.body
+            parts.append(body if body.endswith(b"\n") else body + b"\n")
+        if fetched == 0:
+            parts.append(b"# no backend metrics were fetched\n")
+        return b"".join(parts)
+
+
+async def _never() -> None:
+    await trio.sleep_forever()
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    values = _header_values(headers, b"content-length")
+    if len(values) != 1 or _header_values(headers, b"transfer-encoding"):
+        return None
+    try:
+        value = int(values[0])
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def _without_length(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in headers if k != b"content-length"]

@@ -1,0 +1,171 @@
+"""``PIG_RECORD_PATH``: the live recording, written without ever blocking a request.
+
+Reads: engine and poller events (as an :class:`~guard_trio._engine.EngineObserver`).
+Guarantees:
+- the request path only appends an encoded line to an in-memory list; a background task hands
+  the pending lines to a worker thread about twice a second, so a slow disk never stalls trio;
+- if the pending lines exceed ``max_pending`` (the disk cannot keep up), new lines are dropped
+  and counted rather than growing memory without bound, and the count is logged at the end;
+- the header carries the effective settings with every secret redacted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from pathlib import Path
+from typing import IO
+
+import trio
+
+from guard_adapters.metrics import LEARNER_FAMILIES
+from guard_adapters.recording import (
+    Arrival,
+    Completion,
+    Decision,
+    FirstToken,
+    Gone,
+    Header,
+    Outcome,
+    Record,
+    Retry,
+    Scrape,
+    ScrapeFailed,
+    encode,
+    learner_text,
+    open_for_writing,
+)
+from guard_core import PublishedDecision, RejectCode, Tier
+from guard_trio._poller import PollReport
+
+__all__ = ("Recorder",)
+
+log = logging.getLogger("inference_guard")
+
+_FLUSH_EVERY_S = 0.5
+
+
+class Recorder:
+    def __init__(
+        self, path: Path, *, config: dict[str, str], producer: str, max_pending: int = 200_000
+    ) -> None:
+        self.path = path
+        self.max_pending = max_pending
+        self.dropped = 0
+        self._pending: list[bytes] = []
+        self._poll = 0
+        self._stream: IO[bytes] = open_for_writing(path)
+        header = Header(
+            started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            producer=producer,
+            config=config,
+        )
+        self._stream.write(encode(header))
+
+    def _add(self, record: Record) -> None:
+        if len(self._pending) >= self.max_pending:
+            self.dropped += 1
+            return
+        self._pending.append(encode(record))
+
+    # -- EngineObserver ------------------------------------------------------------------------
+
+    def arrival(
+        self, at: float, request_id: int, tier: Tier, path: str, body_bytes: int | None
+    ) -> None:
+        self._add(Arrival(at=at, id=request_id, tier=str(tier), path=path, body_bytes=body_bytes))
+
+    def retry(self, at: float, request_id: int) -> None:
+        self._add(Retry(at=at, id=request_id))
+
+    def gone(self, at: float, request_id: int) -> None:
+        self._add(Gone(at=at, id=request_id))
+
+    def outcome(
+        self, at: float, request_id: int, admitted: bool, code: RejectCode | None, waited_s: float
+    ) -> None:
+        self._add(
+            Outcome(
+                at=at,
+                id=request_id,
+                outcome="forwarded" if admitted else "rejected",
+                code=None if code is None else str(code),
+                waited_s=round(waited_s, 6),
+            )
+        )
+
+    def first_token(self, at: float, request_id: int, seconds: float) -> None:
+        self._add(FirstToken(at=at, id=request_id, seconds=seconds))
+
+    def completion(self, at: float, request_id: int, status: int) -> None:
+        self._add(Completion(at=at, id=request_id, status=status))
+
+    def decision(self, at: float, decision: PublishedDecision) -> None:
+        """Written with the poll round (see :meth:`poll`), which knows the poll number."""
+
+    # -- poller --------------------------------------------------------------------------------
+
+    def poll(self, report: PollReport) -> None:
+        poll = self._poll
+        self._poll += 1
+        for name, text, error in report.pages:
+            if text is None:
+                self._add(ScrapeFailed(at=report.at, poll=poll, backend=name, error=error))
+            else:
+                flavour = "sglang" if "sglang:" in text and "vllm:" not in text else "vllm"
+                self._add(
+                    Scrape(
+                        at=report.at,
+                        poll=poll,
+                        backend=name,
+                        flavour=flavour,
+                        text=learner_text(text, LEARNER_FAMILIES),
+                    )
+                )
+        decision = report.decision
+        if decision is not None:
+            self._add(
+                Decision(
+                    at=report.at,
+                    poll=poll,
+                    cap=decision.cap,
+                    state=str(decision.state),
+                    reason=str(decision.final_reason),
+                    yellow=[str(r) for r in decision.yellow_reasons],
+                    red=[str(r) for r in decision.red_reasons],
+                    source=str(decision.source),
+                )
+            )
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def _write(self, lines: list[bytes]) -> None:
+        self._stream.write(b"".join(lines))
+        self._stream.flush()
+
+    async def run(self) -> None:
+        """Flush pending lines in a worker thread until cancelled; then flush the rest."""
+        try:
+            while True:
+                await trio.sleep(_FLUSH_EVERY_S)
+                await self.flush()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.aclose()
+
+    async def aclose(self) -> None:
+        """Write what is pending and close the file."""
+        await self.flush()
+        if self.dropped:
+            log.warning(
+                "recording %s: %d records dropped (the disk did not keep up)",
+                self.path,
+                self.dropped,
+            )
+        await trio.to_thread.run_sync(self._stream.close)
+
+    async def flush(self) -> None:
+        if not self._pending:
+            return
+        lines, self._pending = self._pending, []
+        await trio.to_thread.run_sync(self._write, lines)

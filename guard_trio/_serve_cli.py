@@ -1,0 +1,118 @@
+"""``inference-guard serve``: the proxy, configured by PIG's environment variables only."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from guard_adapters.config import ConfigError, Settings, load_config
+from guard_trio import __version__
+from guard_trio._recorder import Recorder
+from guard_trio._server import GuardServer
+
+log = logging.getLogger("inference_guard")
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the proxy (configured by environment variables, as PIG)",
+        description="Run the QoS proxy. Every setting comes from PIG's environment variables.",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective configuration (secrets redacted) and exit",
+    )
+    parser.set_defaults(handler=run)
+
+
+def _describe(settings: Settings) -> str:
+    describe = getattr(settings, "describe", None)
+    if callable(describe):
+        text: str = describe()
+        return text
+    return "\n".join(f"{k}={v}" for k, v in sorted(settings.redacted().items()))
+
+
+async def serve(
+    settings: Settings, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run the guard until SIGTERM/SIGINT; drain on the first signal, exit at once on a second."""
+    recorder = None
+    record_path = getattr(settings.env, "pig_record_path", "")
+    if record_path:
+        recorder = Recorder(
+            Path(record_path),
+            config=settings.redacted(),
+            producer=f"inference-guard {__version__} serve",
+        )
+    server = GuardServer(
+        settings,
+        observer=recorder,
+        on_poll=recorder.poll if recorder is not None else None,
+    )
+    drain_s = float(getattr(settings.env, "pig_drain_seconds", 30.0))
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            if recorder is not None:
+                nursery.start_soon(recorder.run)
+            bound = await nursery.start(server.serve)
+            log.info(
+                "inference-guard %s listening on %s:%s backends=%d dynamic=%s/%s",
+                __version__,
+                bound[0],
+                bound[1],
+                len(settings.backends),
+                settings.dynamic_enabled,
+                settings.dynamic_enforced,
+            )
+            task_status.started(bound)
+            async for signum in signals:
+                log.info("signal %s: draining for up to %.0f s", signum, drain_s)
+                with trio.move_on_after(drain_s):
+                    async with trio.open_nursery() as drainer:
+                        drainer.start_soon(server.drain, drain_s)
+
+                        async def second_signal() -> None:
+                            async for _ in signals:
+                                log.info("second signal: exiting now")
+                                drainer.cancel_scope.cancel()
+                                return
+
+                        drainer.start_soon(second_signal)
+                        await server.drain(drain_s)
+                        drainer.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()
+                break
+    await server.aclose()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = load_config(os.environ)
+    except ConfigError as error:
+        sys.stderr.write(f"inference-guard serve: invalid configuration:\n{error}\n")
+        return 2
+    if args.print_config:
+        sys.stdout.write(_describe(settings) + "\n")
+        return 0
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(message)s",
+        datefmt="%Y/%m/%d %H:%M:%S",
+        stream=sys.stderr,
+    )
+    try:
+        trio.run(serve, settings)
+    except OSError as error:
+        sys.stderr.write(f"inference-guard serve: {error}\n")
+        return 1
+    return 0

@@ -1,0 +1,177 @@
+"""The guard's HTTP server: listeners, connections, the poller, and graceful drain.
+
+Reads: the validated :class:`~guard_adapters.config.Settings`.
+Guarantees:
+- every connection is served by h11 with keep-alive; a malformed or hostile request head gets
+  its status (400, 408, 431) and the connection is closed; an unexpected internal error answers
+  the standard 429 when a response is still possible, and never takes the server down;
+- the poller runs when dynamic mode is enabled; the status line is logged every
+  ``PIG_STATUS_LOG_INTERVAL_SECONDS`` when it is positive;
+- drain (:meth:`GuardServer.drain`): stop accepting, let in-flight requests finish for up to
+  ``PIG_DRAIN_SECONDS``, then cancel what is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import h11
+import trio
+
+from guard_adapters.config import Settings
+from guard_trio._downstream import ClientGone, Downstream, RefusedRequest
+from guard_trio._engine import EngineObserver, GuardEngine
+from guard_trio._poller import MetricsSource, Poller, PollReport
+from guard_trio._proxy import ProxyApp
+from guard_trio._upstream import UpstreamPool
+
+__all__ = ("GuardServer",)
+
+log = logging.getLogger("inference_guard")
+
+HEADER_TIMEOUT_S = 30.0
+_REASONS = {
+    400: b"bad request\n",
+    408: b"request timeout\n",
+    431: b"request header fields too large\n",
+}
+
+
+class GuardServer:
+    """One guard: engine, proxy, poller, and the connections it serves."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        observer: EngineObserver | None = None,
+        on_poll: Callable[[PollReport], None] | None = None,
+        local_metrics: Callable[[], bytes] | None = None,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+    ) -> None:
+        self.settings = settings
+        self.engine = GuardEngine(settings.guard_config(), observer=observer)
+        self.pool = UpstreamPool()
+        self.app = ProxyApp(
+            settings, self.engine, self.pool, local_metrics=local_metrics or (lambda: b"")
+        )
+        self.header_timeout_s = header_timeout_s
+        sources = tuple(
+            MetricsSource(name=f"backend{i}" if not settings.backend_routing else name, url=url)
+            for i, (name, url) in enumerate(
+                ((b.name, b.metrics_url) for b in settings.backends if b.metrics_url), start=1
+            )
+        )
+        if not settings.backend_routing:
+            sources = tuple(
+                MetricsSource(name=f"metrics{i}", url=url)
+                for i, url in enumerate(settings.metrics_urls, start=1)
+            )
+        self.poller = Poller(
+            self.engine,
+            sources,
+            interval_s=settings.env.dynamic_poll_interval_ms / 1000,
+            on_round=on_poll,
+        )
+        self._accepting = trio.CancelScope()
+        self._listeners: list[trio.SocketListener] = []
+        self.draining = False
+        self.active_requests = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    # -- connections ---------------------------------------------------------------------------
+
+    async def handle_connection(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = stream.socket.getpeername()[0]
+        except OSError:
+            peer = ""
+        down = Downstream(stream, str(peer))
+        try:
+            while True:
+                try:
+                    request = await down.next_request(self.header_timeout_s)
+                except RefusedRequest as refused:
+                    if down.can_respond:
+                        body = _REASONS.get(refused.status, b"bad request\n")
+                        headers = [(b"content-type", b"text/plain"), (b"connection", b"close")]
+                        with contextlib.suppress(ClientGone):
+                            await down.respond(refused.status, headers, body)
+                    return
+                if request is None:
+                    return
+                await self.serve_request(down, request)
+                if (
+                    down.gone
+                    or down.h11.our_state is not h11.DONE
+                    or down.h11.their_state is not h11.DONE
+                ):
+                    return
+                down.h11.start_next_cycle()
+        finally:
+            await down.close()
+
+    async def serve_request(self, down: Downstream, request: h11.Request) -> None:
+        self.active_requests += 1
+        self._idle = trio.Event() if self.active_requests == 1 else self._idle
+        try:
+            await self.app.handle(down, request)
+        except ClientGone:
+            pass
+        except Exception:
+            log.exception("internal error while serving %s", request.target[:200])
+            if down.can_respond:
+                with contextlib.suppress(ClientGone):
+                    await self.app.too_many_requests(down)
+            down.gone = True  # close the connection: its state is unknown
+        finally:
+            self.active_requests -= 1
+            if self.active_requests == 0:
+                self._idle.set()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def serve(
+        self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen and serve until cancelled; reports the bound (host, port)."""
+        try:
+            await self._serve(task_status)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.pool.aclose()
+
+    async def _serve(self, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
+        async with trio.open_nursery() as nursery:
+            if self.settings.dynamic_enabled and self.poller.sources:
+                await nursery.start(self.poller.run)
+            host = self.settings.listen_host or None
+            self._listeners = await trio.open_tcp_listeners(self.settings.listen_port, host=host)
+            bound = self._listeners[0].socket.getsockname()
+
+            async def accept() -> None:
+                with self._accepting:
+                    # Connection handlers live in the outer nursery, so that stopping the accept
+                    # loop (drain) leaves requests in flight running.
+                    await trio.serve_listeners(
+                        self.handle_connection, self._listeners, handler_nursery=nursery
+                    )
+
+            nursery.start_soon(accept)
+            task_status.started((str(bound[0]), int(bound[1])))
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop accepting new connections and wait for in-flight requests, at most ``grace_s``."""
+        self.draining = True
+        self._accepting.cancel()
+        for listener in self._listeners:
+            with contextlib.suppress(trio.ClosedResourceError):
+                await listener.aclose()
+        with trio.move_on_after(grace_s):
+            await self._idle.wait()
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()

@@ -1,0 +1,164 @@
+"""Keep-alive HTTP/1.1 connections to the backends, one small pool per backend.
+
+Reads: a backend's base URL (http or https), request heads and body chunks from the proxy.
+Guarantees:
+- a connection goes back to its pool only when its exchange finished cleanly and both sides
+  may reuse it (h11 says so); any error, timeout or cancellation closes it instead;
+- at most ``max_idle`` idle connections are kept per backend, each for at most ``idle_timeout_s``;
+- nothing here parses bodies: the proxy receives the upstream body as h11 ``Data`` chunks.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
+
+import attrs
+import h11
+import trio
+
+from guard_core import GuardError
+
+__all__ = ("UpstreamConnection", "UpstreamError", "UpstreamPool", "UpstreamTarget")
+
+_READ_SIZE = 65536
+
+
+class UpstreamError(GuardError):
+    """The backend could not be reached or broke the exchange."""
+
+
+@attrs.frozen
+class UpstreamTarget:
+    """Where one backend lives."""
+
+    name: str
+    scheme: str
+    host: str
+    port: int
+    #: ``host:port`` as the Host header of upstream requests.
+    authority: str
+    #: Path prefix of the upstream URL ("" or "/something").
+    base_path: str
+
+    @classmethod
+    def from_url(cls, name: str, url: str) -> UpstreamTarget:
+        parts = urlsplit(url)
+        secure = parts.scheme == "https"
+        port = parts.port or (443 if secure else 80)
+        host = parts.hostname or ""
+        authority = parts.netloc.rpartition("@")[2]
+        return cls(name, parts.scheme, host, port, authority, parts.path.rstrip("/"))
+
+
+class UpstreamConnection:
+    """One h11 client connection over a trio stream."""
+
+    def __init__(self, target: UpstreamTarget, stream: trio.abc.Stream) -> None:
+        self.target = target
+        self.stream = stream
+        self.h11 = h11.Connection(h11.CLIENT)
+        self.idle_since = 0.0
+
+    async def send(self, *events: h11.Event) -> None:
+        data = b"".join(self.h11.send(event) or b"" for event in events)
+        if data:
+            await self.stream.send_all(data)
+
+    async def next_event(self) -> h11.Event:
+        """The next response event; raises UpstreamError if the backend breaks the exchange."""
+        while True:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise UpstreamError(f"bad response from {self.target.name}: {exc}") from None
+            if event is h11.NEED_DATA:
+                try:
+                    data = await self.stream.receive_some(_READ_SIZE)
+                except (trio.BrokenResourceError, OSError) as exc:
+                    raise UpstreamError(f"{self.target.name}: connection lost ({exc})") from None
+                self.h11.receive_data(bytes(data))
+                continue
+            if isinstance(event, h11.ConnectionClosed):
+                raise UpstreamError(f"{self.target.name}: connection closed mid-response")
+            assert not isinstance(event, type(h11.PAUSED))
+            return event  # type: ignore[return-value]
+
+    @property
+    def reusable(self) -> bool:
+        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+
+    async def aclose(self) -> None:
+        with trio.move_on_after(0.5) as scope:
+            scope.shield = True
+            await trio.aclose_forcefully(self.stream)
+
+
+class UpstreamPool:
+    """Idle keep-alive connections per backend."""
+
+    def __init__(
+        self,
+        *,
+        max_idle: int = 512,
+        idle_timeout_s: float = 90.0,
+        connect_timeout_s: float = 30.0,
+    ) -> None:
+        self.max_idle = max_idle
+        self.idle_timeout_s = idle_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: dict[str, deque[UpstreamConnection]] = {}
+
+    async def _connect(self, target: UpstreamTarget) -> UpstreamConnection:
+        try:
+            with trio.fail_after(self.connect_timeout_s):
+                stream: trio.abc.Stream = await trio.open_tcp_stream(target.host, target.port)
+                if target.scheme == "https":
+                    context = ssl.create_default_context()
+                    stream = trio.SSLStream(stream, context, server_hostname=target.host)
+                    await stream.do_handshake()
+        except trio.TooSlowError:
+            raise UpstreamError(f"{target.name}: connect timed out") from None
+        except (OSError, trio.BrokenResourceError) as exc:
+            raise UpstreamError(f"{target.name}: connect failed ({exc})") from None
+        return UpstreamConnection(target, stream)
+
+    def _take_idle(self, target: UpstreamTarget) -> UpstreamConnection | None:
+        idle = self._idle.get(target.name)
+        now = trio.current_time()
+        while idle:
+            connection = idle.pop()
+            if now - connection.idle_since <= self.idle_timeout_s:
+                return connection
+            trio.lowlevel.spawn_system_task(connection.aclose)
+        return None
+
+    @asynccontextmanager
+    async def connection(
+        self, target: UpstreamTarget, *, fresh: bool = False
+    ) -> AsyncIterator[UpstreamConnection]:
+        """A connection for one exchange; returned to the pool only if it ended cleanly."""
+        connection = None if fresh else self._take_idle(target)
+        if connection is None:
+            connection = await self._connect(target)
+        try:
+            yield connection
+        except BaseException:
+            await connection.aclose()
+            raise
+        if connection.reusable:
+            connection.h11.start_next_cycle()
+            connection.idle_since = trio.current_time()
+            idle = self._idle.setdefault(target.name, deque())
+            if len(idle) < self.max_idle:
+                idle.append(connection)
+                return
+        await connection.aclose()
+
+    async def aclose(self) -> None:
+        for idle in self._idle.values():
+            while idle:
+                await idle.pop().aclose()

@@ -1,0 +1,155 @@
+"""The trio guard engine: waits, wake-ups, deadlines, cancellation, exactly-once release.
+
+Virtual time (trio's autojump clock), so every assertion on time is exact.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import trio
+
+from guard_core import (
+    DecisionSource,
+    GateConfig,
+    GuardConfig,
+    LimitReason,
+    LoadState,
+    PublishedDecision,
+    RejectCode,
+    Tier,
+)
+from guard_core.gate import DecisionPublished
+from guard_trio._engine import AdmissionResult, GuardEngine
+
+P, B = Tier.PREMIUM, Tier.BASIC
+
+
+def engine_with_cap(cap: int, **gate: object) -> GuardEngine:
+    config = GuardConfig(gate=GateConfig(**gate), learning=False)  # type: ignore[arg-type]
+    engine = GuardEngine(config)
+    decision = PublishedDecision(
+        at=0.0,
+        source=DecisionSource.METRICS,
+        cap=cap,
+        state=LoadState.GREEN,
+        final_reason=LimitReason.THROUGHPUT,
+    )
+    engine._apply(DecisionPublished(decision))
+    return engine
+
+
+async def test_admits_and_releases_exactly_once(autojump_clock: trio.abc.Clock) -> None:
+    engine = engine_with_cap(2)
+    result = await engine.admit(P)
+    assert result.slot is not None
+    assert engine.state.gate.inflight == 1
+    result.slot.release(200)
+    result.slot.release(200)  # a second release is ignored
+    assert engine.state.gate.inflight == 0
+
+
+async def test_a_release_wakes_a_waiter_at_once(autojump_clock: trio.abc.Clock) -> None:
+    engine = engine_with_cap(1)
+    first = await engine.admit(P)
+    assert first.slot is not None
+    results: list[AdmissionResult] = []
+
+    async def wait_for_slot() -> None:
+        results.append(await engine.admit(P))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_for_slot)
+        await trio.sleep(0.2)
+        assert engine.state.gate.premium_waiting == 1
+        first.slot.release()
+    assert results[0].slot is not None
+    assert results[0].waited_s == pytest.approx(0.2)
+
+
+async def test_a_waiter_is_refused_at_its_deadline(autojump_clock: trio.abc.Clock) -> None:
+    engine = engine_with_cap(1)
+    held = await engine.admit(P)
+    assert held.slot is not None
+    start = trio.current_time()
+    refused = await engine.admit(P)
+    assert refused.slot is None
+    assert refused.code is RejectCode.GLOBAL_DYNAMIC_LIMIT
+    assert trio.current_time() - start == pytest.approx(0.5)
+    assert engine.state.gate.waiting == 0
+
+
+async def test_a_poll_wakes_waiters(autojump_clock: trio.abc.Clock) -> None:
+    engine = engine_with_cap(1)
+    held = await engine.admit(B)
+    assert held.slot is not None
+    results: list[AdmissionResult] = []
+
+    async def wait_for_slot() -> None:
+        results.append(await engine.admit(P))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_for_slot)
+        await trio.sleep(0.1)
+        bigger = attrs.evolve(engine.state.gate.decision, cap=3)
+        engine._apply(DecisionPublished(bigger))
+        engine._notify()
+    assert results[0].slot is not None
+    assert results[0].waited_s == pytest.approx(0.1)
+
+
+async def test_a_cancelled_waiter_leaves_the_queue(autojump_clock: trio.abc.Clock) -> None:
+    engine = engine_with_cap(1)
+    held = await engine.admit(P)
+    assert held.slot is not None
+    with trio.move_on_after(0.2):
+        await engine.admit(B)
+    assert engine.state.gate.waiting == 0
+    held.slot.release()
+    assert engine.state.gate.inflight == 0
+
+
+async def test_premium_waiter_blocks_basic_until_served(autojump_clock: trio.abc.Clock) -> None:
+    engine = engine_with_cap(2)
+    first = await engine.admit(P)
+    second = await engine.admit(P)
+    assert first.slot is not None
+    assert second.slot is not None
+    outcomes: dict[str, AdmissionResult] = {}
+
+    async def ask(tier: Tier, name: str) -> None:
+        outcomes[name] = await engine.admit(tier)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask, B, "basic")  # queued before the premium request
+        await trio.sleep(0.01)
+        nursery.start_soon(ask, P, "premium")
+        await trio.sleep(0.01)
+        first.slot.release()
+    # The freed slot goes to premium although basic waited longer.
+    assert outcomes["premium"].slot is not None
+    assert outcomes["basic"].slot is None
+
+
+async def test_start_up_refuses_at_once_in_dynamic_mode(autojump_clock: trio.abc.Clock) -> None:
+    engine = GuardEngine(GuardConfig())
+    start = trio.current_time()
+    result = await engine.admit(P)
+    assert result.code is RejectCode.BACKEND_UNAVAILABLE
+    assert trio.current_time() == start
+
+
+async def test_first_token_is_measured_from_arrival(autojump_clock: trio.abc.Clock) -> None:
+    engine = engine_with_cap(4)
+    result = await engine.admit(P)
+    assert result.slot is not None
+    await trio.sleep(0.75)
+    result.slot.first_token()
+    result.slot.first_token()  # only the first counts
+    semantic = engine.state.learner.semantic_ttft
+    assert semantic is not None
+    assert semantic.count == 1
+    assert semantic.sum == pytest.approx(0.75)
+    assert len(engine.state.learner.prefill) == 1
+    result.slot.release()
+    assert not engine.state.learner.prefill

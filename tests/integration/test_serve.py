@@ -1,0 +1,254 @@
+"""``serve`` over real sockets: routing, auth, admission, streaming, errors, disconnects."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import trio
+
+from guard_trio._proxy import TOO_MANY_REQUESTS_BODY
+
+TOKEN = "s3cret"
+AUTH = [("Authorization", f"Bearer {TOKEN}")]
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(max_tokens: int = 4, *, stream: bool = False, **extra: Any) -> bytes:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+    }
+    if stream:
+        body["stream"] = True
+    body.update(extra)
+    return json.dumps(body).encode()
+
+
+def guard_env(sim: str, **extra: str) -> dict[str, str]:
+    return {"UPSTREAM": sim, "DYNAMIC_METRICS_URL": f"{sim}/metrics", "TOKEN": TOKEN, **extra}
+
+
+async def test_healthz_and_the_auth_matrix(start_sim: Any, start_guard: Any, http: Any) -> None:
+    sim, _ = await start_sim()
+    guard, _ = await start_guard(guard_env(sim))
+    reply = await http.request(guard, "GET", "/healthz")
+    assert (reply.status, reply.body) == (200, b"ok\n")
+    for path in ("/pig/metrics", "/v1/metrics", "/v1/upstream-status"):
+        denied = await http.request(guard, "GET", path)
+        assert (denied.status, denied.body) == (401, b"unauthorized\n")
+        wrong = await http.request(guard, "GET", path, [("Authorization", "Bearer nope")])
+        assert wrong.status == 401
+        twice = await http.request(guard, "GET", path, AUTH + AUTH)
+        assert twice.status == 401
+        allowed = await http.request(guard, "GET", path, AUTH)
+        assert allowed.status == 200
+    for method in ("GET", "POST"):
+        attest = await http.request(guard, method, "/v1/attestation/report")
+        assert attest.status == 401
+        assert json.loads(attest.body)["error"]["type"] == "AuthenticationError"
+    assert (await http.request(guard, "POST", "/v1/attestation/report", AUTH)).status == 405
+    chat = await http.request(
+        guard, "POST", CHAT, [("Content-Type", "application/json")], chat_body()
+    )
+    assert chat.status == 401
+    assert json.loads(chat.body)["error"]["code"] == 401
+    ok = await http.request(guard, "POST", CHAT, AUTH, chat_body())
+    assert ok.status == 200
+    # GET to a generation path is not auth-checked and passes through without QoS.
+    models = await http.request(guard, "GET", "/v1/models")
+    assert models.status == 200
+
+
+async def test_upstream_status_digit_after_a_healthy_poll(
+    start_sim: Any, start_guard: Any, http: Any
+) -> None:
+    sim, _ = await start_sim()
+    guard, _ = await start_guard(guard_env(sim))
+    reply = await http.request(guard, "GET", "/v1/upstream-status", AUTH)
+    assert (reply.status, reply.body) == (200, b"0\n")
+
+
+async def test_before_the_first_poll_admitted_requests_get_429_at_once(
+    start_guard: Any, http: Any
+) -> None:
+    # The metrics URL answers nothing: the guard stays closed and says so at once.
+    guard, _server = await start_guard(
+        {"UPSTREAM": "http://127.0.0.1:9", "DYNAMIC_METRICS_URL": "http://127.0.0.1:9/metrics"},
+        poll=False,
+    )
+    start = trio.current_time()
+    reply = await http.request(guard, "POST", CHAT, [], chat_body())
+    assert reply.status == 429
+    assert reply.body == TOO_MANY_REQUESTS_BODY
+    assert reply.header("retry-after") == b"1"
+    assert reply.header("content-type") == b"application/json"
+    assert trio.current_time() - start < 0.4
+
+
+async def test_streaming_passes_through_and_feeds_semantic_ttft(
+    start_sim: Any, start_guard: Any, http: Any
+) -> None:
+    sim, _ = await start_sim()
+    guard, server = await start_guard(guard_env(sim))
+    connection = await http.connect(guard)
+    await connection.send_request(
+        "POST", CHAT, [*AUTH, ("X-User-Tier", "premium")], chat_body(8, stream=True)
+    )
+    head = await connection.response_head()
+    assert head.status_code == 200
+    body = b"".join([chunk async for chunk in connection.chunks()])
+    await connection.aclose()
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert body.count(b'"content"') >= 8
+    semantic = server.engine.state.learner.semantic_ttft
+    assert semantic is not None
+    assert semantic.count == 1
+    assert server.engine.state.gate.inflight == 0
+
+
+async def test_overload_gets_the_exact_429_with_retry_after(
+    start_sim: Any, start_guard: Any, http: Any
+) -> None:
+    sim, _ = await start_sim()
+    guard, _ = await start_guard(
+        guard_env(sim, GLOBAL_LIMIT="1", DYNAMIC_PIG_ENABLED="false", PIG_QUEUE_WAIT_SECONDS="0")
+    )
+    holder = await http.connect(guard)
+    await holder.send_request("POST", CHAT, AUTH, chat_body(400, stream=True))
+    assert (await holder.response_head()).status_code == 200
+    refused = await http.request(guard, "POST", CHAT, AUTH, chat_body())
+    assert refused.status == 429
+    assert refused.body == TOO_MANY_REQUESTS_BODY
+    assert refused.header("retry-after") == b"1"
+    await holder.aclose()
+
+
+async def test_client_pig_headers_are_removed_and_trusted_ones_added(
+    start_guard: Any, http: Any, nursery: Any
+) -> None:
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def echo(stream: trio.SocketStream) -> None:
+        import h11
+
+        connection = h11.Connection(h11.SERVER)
+        async with stream:
+            while True:
+                event = connection.next_event()
+                if event is h11.NEED_DATA:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    connection.receive_data(data)
+                    continue
+                if isinstance(event, h11.Request):
+                    seen.append(list(event.headers))
+                if isinstance(event, h11.EndOfMessage):
+                    body = b"{}"
+                    await stream.send_all(
+                        connection.send(
+                            h11.Response(
+                                status_code=200,
+                                headers=[
+                                    ("Content-Length", "2"),
+                                    ("Content-Type", "application/json"),
+                                ],
+                            )
+                        )
+                        + connection.send(h11.Data(data=body))
+                        + connection.send(h11.EndOfMessage())
+                    )
+                    return
+
+    from functools import partial
+
+    listeners = await nursery.start(partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    guard, _ = await start_guard(
+        {"UPSTREAM": f"http://127.0.0.1:{port}", "DYNAMIC_PIG_ENABLED": "false"}
+    )
+    reply = await http.request(
+        guard,
+        "POST",
+        CHAT,
+        [
+            ("X-User-Tier", "premium"),
+            ("X-PIG-Tier", "forged"),
+            ("X-PIG-Output-Tokens", "1"),
+            ("Connection", "keep-alive, x-drop"),
+            ("X-Drop", "1"),
+        ],
+        b"{}",
+    )
+    assert reply.status == 200
+    headers = dict(seen[0])
+    assert headers[b"x-pig-tier"] == b"premium"
+    assert headers[b"x-pig-backend"] == b"backend1"
+    assert b"x-pig-output-tokens" not in headers
+    assert b"x-drop" not in headers
+    assert headers[b"host"] == f"127.0.0.1:{port}".encode()
+    assert headers[b"x-forwarded-for"] == b"127.0.0.1"
+
+
+async def test_client_caused_500_becomes_400(start_sim: Any, start_guard: Any, http: Any) -> None:
+    sim, _ = await start_sim()
+    guard, _ = await start_guard(guard_env(sim))
+    reply = await http.request(
+        guard, "POST", CHAT, AUTH, chat_body(sim_error="context_length_exceeded")
+    )
+    assert reply.status == 400
+    error = json.loads(reply.body)["error"]
+    assert error["type"] == "BadRequestError"
+    assert "maximum context length" in error["message"]
+
+
+async def test_a_client_leaving_mid_stream_frees_the_slot_and_the_backend(
+    start_sim: Any, start_guard: Any, http: Any, until: Any
+) -> None:
+    sim, backend = await start_sim()
+    guard, server = await start_guard(guard_env(sim))
+    connection = await http.connect(guard)
+    await connection.send_request("POST", CHAT, AUTH, chat_body(2000, stream=True))
+    assert (await connection.response_head()).status_code == 200
+    assert await connection.next_chunk()
+    assert server.engine.state.gate.inflight == 1
+    await until(lambda: backend.engine_metrics().running == 1)
+    await connection.aclose()
+    start = trio.current_time()
+    await until(lambda: server.engine.state.gate.inflight == 0, 2.0)
+    await until(lambda: backend.engine_metrics().running == 0, 2.0)
+    assert trio.current_time() - start < 0.5
+
+
+async def test_hostile_heads_are_refused(start_sim: Any, start_guard: Any, http: Any) -> None:
+    sim, _ = await start_sim()
+    guard, _ = await start_guard(guard_env(sim))
+    host, port = guard.removeprefix("http://").split(":")
+
+    async def raw(data: bytes) -> bytes:
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(data)
+            received = b""
+            with trio.move_on_after(2):
+                while chunk := await stream.receive_some(65536):
+                    received += chunk
+            return received
+
+    both = await raw(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    )
+    assert both.startswith(b"HTTP/1.1 400")
+    many = (
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+        + b"".join(b"X-%d: y\r\n" % i for i in range(101))
+        + b"\r\n"
+    )
+    assert (await raw(many)).startswith(b"HTTP/1.1 431")
+    big = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 17000 + b"\r\n\r\n"
+    assert (await raw(big)).startswith(b"HTTP/1.1 431")
+    garbage = await raw(b"NOT HTTP AT ALL\r\n\r\n")
+    assert garbage.startswith(b"HTTP/1.1 400")
