@@ -104,6 +104,8 @@ class Snapshot:
     throughput: ThroughputState
     pressure_reason: str
     prefill_reason: str
+    #: The overload behind a severe-pressure cut ("" otherwise).
+    pressure_target_reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -609,6 +611,7 @@ def evaluate(
         throughput=throughput.state,
         pressure_reason=pressure.reason,
         prefill_reason=prefill.reason,
+        pressure_target_reason=pressure.target_reason,
     )
     learner = attrs.evolve(
         learner,

@@ -82,6 +82,8 @@ class PressureOutcome:
     reason: str
     #: Whether ``scheduler_pressure_capacity`` joins the state reasons.
     adds_state_reason: bool
+    #: Under severe pressure, the overload that set the target (``preemption``, ``kv_red`` ...).
+    target_reason: str = ""
 
 
 def _recovered_cap(
@@ -139,11 +141,12 @@ def guard_pressure(
             cap = learned
         return learned
 
+    target_reason = ""
     if is_severe(signals, config):
         learned = learn()
         if learned is not None:
             apply(learned, "severe_pressure")
-        target, _why = overload_target(signals, config, base)
+        target, target_reason = overload_target(signals, config, base)
         if target < base:
             apply(target, "severe_pressure")
     if cap > 0:
@@ -182,4 +185,6 @@ def guard_pressure(
         )
     else:
         adds = reason in STATE_REASONS
-    return PressureOutcome(limit=limit, cap=cap, reason=reason, adds_state_reason=adds)
+    return PressureOutcome(
+        limit=limit, cap=cap, reason=reason, adds_state_reason=adds, target_reason=target_reason
+    )

@@ -48,6 +48,9 @@ class ThroughputState:
     phase: str = ""
     reason: str = ""
     target_reason: str = ""
+    #: What the capacity estimate projected this poll (after the low-confidence bound and the
+    #: raise to a healthy observed load).
+    projected: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -272,6 +275,7 @@ def _decide(  # noqa: PLR0915 - one rule ladder, read top to bottom as spec 5.5 
         phase=phase,
         reason=reason,
         target_reason=target_reason,
+        projected=projected,
     )
 
 

@@ -61,6 +61,8 @@ class TtftState:
     target: int = 0
     phase: str = ""
     reason: str = ""
+    #: Which latency drove the last cut: ``p95_latency`` or ``p99_latency`` ("" otherwise).
+    target_reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -276,9 +278,10 @@ class _Step:
     healthy_count: int
     phase: str
     reason: str
+    target_reason: str = ""
 
 
-def _learn(
+def _learn(  # noqa: PLR0915 - one rule ladder, read top to bottom as spec 5.5 step 2 a-e
     config: PolicyConfig,
     prev: TtftState,
     inputs: TtftInputs,
@@ -310,6 +313,7 @@ def _learn(
         or observation.count < _MIN_WINDOW_COUNT
     )
     limit = learned
+    target_reason = ""
     if not latency_signal and not verdict.healthy and thin:
         phase, reason = "no_signal", "insufficient_latency_signal"
         target = learned
@@ -321,6 +325,7 @@ def _learn(
         phase, reason = "ttft_wait", "ttft_high_pending"
     elif latency_signal:
         reason = "ttft_red_latency" if verdict.red_ready else "ttft_above_target"
+        target_reason = "p95_latency" if verdict.high else "p99_latency"
         ratio = _reduction_ratio(verdict.signal, config.ttft_target_s)
         target = min(max(math.floor(max(inputs.running, min_running) * ratio), 1), learned)
         phase = "ttft_down" if target < learned else "ttft_hold_high"
@@ -355,6 +360,7 @@ def _learn(
         healthy_count=healthy_count,
         phase=phase,
         reason=reason,
+        target_reason=target_reason,
     )
 
 
@@ -410,6 +416,7 @@ def learn_ttft(config: PolicyConfig, previous: TtftState, inputs: TtftInputs) ->
         target=step.target,
         phase=step.phase,
         reason=step.reason,
+        target_reason=step.target_reason,
     )
     return TtftOutcome(
         state=state,

@@ -21,7 +21,14 @@ import trio
 
 from guard_core import GuardError
 
-__all__ = ("MAX_HEADERS", "MAX_HEADER_BYTES", "ClientGone", "Downstream", "RefusedRequest")
+__all__ = (
+    "MAX_HEADERS",
+    "MAX_HEADER_BYTES",
+    "ClientGone",
+    "Downstream",
+    "RefusedRequest",
+    "ResponseAborted",
+)
 
 MAX_HEADER_BYTES = 16 * 1024
 MAX_HEADERS = 100
@@ -30,6 +37,10 @@ _READ_SIZE = 65536
 
 class ClientGone(GuardError):
     """The client closed its connection or a write to it failed."""
+
+
+class ResponseAborted(GuardError):
+    """A response already started cannot be completed: the client connection must be closed."""
 
 
 @attrs.frozen

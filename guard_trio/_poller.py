@@ -39,6 +39,7 @@ class PollReport:
 
     at: float
     pages: tuple[tuple[str, str | None, str], ...]  # (name, page text or None, error)
+    polls: tuple[BackendPoll, ...]
     decision: PublishedDecision | None
 
 
@@ -54,7 +55,7 @@ class Poller:
         self.engine = engine
         self.sources = sources
         self.interval_s = interval_s
-        self.on_round = on_round
+        self.on_round: list[Callable[[PollReport], None]] = [on_round] if on_round else []
         self.rounds = 0
 
     async def _fetch(
@@ -90,9 +91,9 @@ class Poller:
         at = self.engine.seconds_since_start()
         decision = self.engine.publish_poll(tuple(polls), at=at)
         self.rounds += 1
-        report = PollReport(at, tuple(pages), decision)
-        if self.on_round is not None:
-            self.on_round(report)
+        report = PollReport(at, tuple(pages), tuple(polls), decision)
+        for listener in self.on_round:
+            listener(report)
         return report
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

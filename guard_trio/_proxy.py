@@ -30,12 +30,21 @@ import trio
 
 from guard_adapters.config import Settings
 from guard_adapters.sse import FirstUsefulEventScanner
-from guard_core import GuardError, Tier, tier_from_header_values, upstream_status_digit
+from guard_core import (
+    GuardError,
+    Lane,
+    RejectCode,
+    Tier,
+    body_lane,
+    tier_from_header_values,
+    upstream_status_digit,
+)
 from guard_core.backend_choice import BackendView, choose_backend
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
-from guard_trio._downstream import ClientGone, Downstream
+from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
 from guard_trio._engine import GuardEngine, Slot
 from guard_trio._http import fetch
+from guard_trio._observability import GuardMetrics
 from guard_trio._upstream import UpstreamConnection, UpstreamError, UpstreamPool, UpstreamTarget
 
 __all__ = ("TOO_MANY_REQUESTS_BODY", "ProxyApp")
@@ -90,10 +99,13 @@ class ProxyApp:
         engine: GuardEngine,
         pool: UpstreamPool,
         *,
+        metrics: GuardMetrics,
         local_metrics: Callable[[], bytes] = lambda: b"",
         metrics_content_type: bytes = b"text/plain; version=0.0.4; charset=utf-8",
     ) -> None:
         self.settings = settings
+        self.metrics = metrics
+        self.body_thresholds = settings.lane_thresholds.body
         self.engine = engine
         self.pool = pool
         self.local_metrics = local_metrics
@@ -101,15 +113,16 @@ class ProxyApp:
         env = settings.env
         self.targets = tuple(UpstreamTarget.from_url(b.name, b.upstream) for b in settings.backends)
         self.backend_inflight = [0] * len(self.targets)
+        self.backend_metrics = tuple(metrics.backends[t.name] for t in self.targets)
         self.expected_authorization = b"Bearer " + env.token.encode() if env.token else None
         self.proxy_timeout_s = float(env.proxy_timeout_seconds)
         self.retry_after = (
             str(env.pig_retry_after_seconds).encode() if env.pig_retry_after_seconds > 0 else None
         )
-        self.api_auth_paths = getattr(settings, "auth_paths", settings.paths)
-        self.api_auth_enabled: bool = getattr(env, "api_auth_enabled", bool(env.token))
-        self.classify_errors: bool = getattr(env, "upstream_error_classification_enabled", True)
-        self.attestation_enabled: bool = getattr(env, "attestation_enabled", True)
+        self.api_auth_paths = settings.auth_paths
+        self.api_auth_enabled: bool = env.api_auth_enabled
+        self.classify_errors: bool = env.upstream_error_classification_enabled
+        self.attestation_enabled: bool = env.attestation_enabled
 
     # -- small responses -----------------------------------------------------------------------
 
@@ -218,31 +231,73 @@ class ProxyApp:
         """QoS: wait for a slot (or a refusal), then forward; the slot is released once."""
         tier = tier_from_header_values(_header_values(headers, b"x-user-tier"))
         length = _content_length(headers)
+        lane = body_lane(length, self.body_thresholds)
+        metrics = self.metrics
+        lanes = (metrics.lanes[lane], metrics.lanes[Lane.GLOBAL])
+        lanes[0].observe_body(length)
         path = request.target.decode("latin-1").partition("?")[0]
         body: list[bytes] | None = None
         if length is not None and length <= _BUFFER_LIMIT:
             body, _complete = await self.read_body(down, _BUFFER_LIMIT)
-        refused = False
+        started = trio.current_time()
+        refused: RejectCode | None = None
+        waiting = True
         with trio.CancelScope() as client_scope:
             async with trio.open_nursery() as nursery:
                 if body is not None:
                     # The request is fully read: from now on, a closed client cancels everything.
                     nursery.start_soon(down.watch_for_disconnect, client_scope)
                 result = await self.engine.admit(tier, path=path, body_bytes=length)
+                waiting = False
+                if result.waited_s > 0:
+                    metrics.queue_total.inc()
+                    metrics.queue_wait.observe(result.waited_s)
                 if result.slot is None:
-                    refused = True
+                    refused = result.code
                 else:
+                    metrics.tier_accepted[tier].inc()
                     status = 499
+                    for counted in lanes:
+                        counted.accepted.inc()
+                        counted.inflight.inc()
                     try:
                         status = await self.forward(
-                            down, request, headers, slot=result.slot, tier=tier, body=body
+                            down,
+                            request,
+                            headers,
+                            slot=result.slot,
+                            tier=tier,
+                            lane=lane,
+                            body=body,
                         )
                     finally:
                         result.slot.release(status)
+                        elapsed = trio.current_time() - started
+                        for counted in lanes:
+                            counted.inflight.dec()
+                            counted.complete(499 if down.gone else status, elapsed)
                 nursery.cancel_scope.cancel()
-        if refused and not down.gone:
+        if client_scope.cancelled_caught and waiting:
+            metrics.disconnect_queue.inc()
+            metrics.queue_timeout.inc()
+            return
+        if refused is not None and not down.gone:
+            self.count_refusal(tier, lane, refused, waited=result.waited_s > 0)
             await self.discard_remaining(down)
             await self.too_many_requests(down)
+
+    def count_refusal(self, tier: Tier, lane: Lane, code: RejectCode, *, waited: bool) -> None:
+        """PIG's reject accounting (spec 4.4)."""
+        metrics = self.metrics
+        if waited:
+            metrics.queue_timeout.inc()
+        if code is RejectCode.BACKEND_UNAVAILABLE:
+            metrics.backend_unavailable.inc()
+            return
+        metrics.tier_rejected[tier].inc()
+        metrics.rejected.inc()
+        counted = Lane.GLOBAL if code is RejectCode.GLOBAL_LIMIT else lane
+        metrics.lanes[counted].rejected.inc()
 
     async def discard_remaining(self, down: Downstream) -> None:
         if down.h11.their_state is h11.SEND_BODY:
@@ -286,6 +341,7 @@ class ProxyApp:
         target: UpstreamTarget,
         *,
         tier: Tier | None,
+        lane: Lane,
         body_length: int | None,
     ) -> list[tuple[bytes, bytes]]:
         drop = _hop_by_hop(headers) | {b"host", b"content-length", b"x-forwarded-for"}
@@ -300,7 +356,7 @@ class ProxyApp:
         out.append((b"x-pig-backend", target.name.encode()))
         if tier is not None:
             out.append((b"x-pig-tier", str(tier).encode()))
-            out.append((b"x-pig-lane", b"default"))
+            out.append((b"x-pig-lane", str(lane).encode()))
         if body_length is not None:
             out.append((b"content-length", str(body_length).encode()))
         else:
@@ -315,6 +371,7 @@ class ProxyApp:
         *,
         slot: Slot | None,
         tier: Tier | None,
+        lane: Lane = Lane.DEFAULT,
         body: list[bytes] | None = None,
     ) -> int:
         """Forward one request and relay the response; returns the status the client got."""
@@ -327,45 +384,74 @@ class ProxyApp:
             method=request.method,
             target=target.base_path.encode() + request.target,
             headers=self.upstream_headers(
-                down, headers, target, tier=tier, body_length=body_length
+                down, headers, target, tier=tier, lane=lane, body_length=body_length
             ),
         )
         self.backend_inflight[index] += 1
+        backend = self.backend_metrics[index]
+        backend.inflight.inc()
+        backend.accepted.inc()
         status = 0
+        # A request whose body we hold (or that has none) can be sent again when a kept-alive
+        # connection turns out to be closed before any byte of the response came back.
+        replayable = body is not None or body_length == 0
         try:
             with trio.move_on_after(self.proxy_timeout_s) as deadline:
-                try:
-                    async with self.pool.connection(target) as up:
-                        await up.send(upstream_request)
-                        if body is not None:
-                            for chunk in body:
-                                await up.send(h11.Data(data=chunk))
-                        else:
-                            while True:
-                                event = await down.next_event()
-                                if isinstance(event, h11.Data):
-                                    await up.send(h11.Data(data=event.data))
-                                elif isinstance(event, h11.EndOfMessage):
-                                    break
-                                else:
-                                    raise ClientGone("client closed while sending its body")
-                        await up.send(h11.EndOfMessage())
-                        status = await self.relay_response(down, up, slot)
-                except UpstreamError:
-                    if down.can_respond:  # nothing sent to the client yet
-                        await self.discard_remaining(down)
-                        await self.too_many_requests(down)
-                        return 429
-                    raise ClientGone("upstream broke mid-response") from None
+                for attempt in range(2):
+                    reused = False
+                    try:
+                        async with self.pool.connection(target, fresh=attempt > 0) as up:
+                            reused = up.reused
+                            await up.send(upstream_request)
+                            await self.send_body(down, up, body)
+                            status = await self.relay_response(down, up, slot)
+                        break
+                    except UpstreamError:
+                        if attempt == 0 and reused and replayable and down.can_respond:
+                            continue
+                        self.metrics.proxy_upstream_errors.inc()
+                        backend.proxy_errors.inc()
+                        if down.can_respond:  # nothing sent to the client yet
+                            await self.discard_remaining(down)
+                            await self.too_many_requests(down)
+                            return 429
+                        self.metrics.proxy_body_copy_errors.inc()
+                        backend.body_copy_errors.inc()
+                        raise ResponseAborted("upstream broke mid-response") from None
             if deadline.cancelled_caught:
                 if down.can_respond:
                     await self.discard_remaining(down)
                     await self.too_many_requests(down)
                     return 429
-                raise ClientGone("proxy timeout mid-response")
+                raise ResponseAborted("PROXY_TIMEOUT_SECONDS reached mid-response")
+        except ClientGone:
+            phase = self.metrics.disconnect_response if status else self.metrics.disconnect_upstream
+            phase.inc()
+            self.metrics.client_disconnect_upstream_cancellations.inc()
+            raise
         finally:
             self.backend_inflight[index] -= 1
+            backend.inflight.dec()
+            backend.completed.inc()
         return status
+
+    async def send_body(
+        self, down: Downstream, up: UpstreamConnection, body: list[bytes] | None
+    ) -> None:
+        """The request body upstream: the buffered chunks, or streamed as the client sends it."""
+        if body is not None:
+            for chunk in body:
+                await up.send(h11.Data(data=chunk))
+        else:
+            while True:
+                event = await down.next_event()
+                if isinstance(event, h11.Data):
+                    await up.send(h11.Data(data=event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+                else:
+                    raise ClientGone("client closed while sending its body")
+        await up.send(h11.EndOfMessage())
 
     async def relay_response(
         self, down: Downstream, up: UpstreamConnection, slot: Slot | None

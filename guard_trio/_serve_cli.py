@@ -35,7 +35,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _describe(settings: Settings) -> str:
-    describe = getattr(settings, "describe", None)
+    describe = settings.describe
     if callable(describe):
         text: str = describe()
         return text
@@ -47,7 +47,7 @@ async def serve(
 ) -> None:
     """Run the guard until SIGTERM/SIGINT; drain on the first signal, exit at once on a second."""
     recorder = None
-    record_path = getattr(settings.env, "pig_record_path", "")
+    record_path = settings.env.pig_record_path
     if record_path:
         recorder = Recorder(
             Path(record_path),
@@ -59,7 +59,7 @@ async def serve(
         observer=recorder,
         on_poll=recorder.poll if recorder is not None else None,
     )
-    drain_s = float(getattr(settings.env, "pig_drain_seconds", 30.0))
+    drain_s = float(settings.env.pig_drain_seconds)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             if recorder is not None:

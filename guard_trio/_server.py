@@ -21,8 +21,11 @@ import h11
 import trio
 
 from guard_adapters.config import Settings
-from guard_trio._downstream import ClientGone, Downstream, RefusedRequest
+from guard_adapters.status_line import startup_line, status_line
+from guard_trio import __version__
+from guard_trio._downstream import ClientGone, Downstream, RefusedRequest, ResponseAborted
 from guard_trio._engine import EngineObserver, GuardEngine
+from guard_trio._observability import CONTENT_TYPE, GuardMetrics
 from guard_trio._poller import MetricsSource, Poller, PollReport
 from guard_trio._proxy import ProxyApp
 from guard_trio._upstream import UpstreamPool
@@ -54,8 +57,19 @@ class GuardServer:
         self.settings = settings
         self.engine = GuardEngine(settings.guard_config(), observer=observer)
         self.pool = UpstreamPool()
+        self.metrics = GuardMetrics(
+            settings,
+            lambda: self.engine.state,
+            version=__version__,
+            clock=self.engine.seconds_since_start,
+        )
         self.app = ProxyApp(
-            settings, self.engine, self.pool, local_metrics=local_metrics or (lambda: b"")
+            settings,
+            self.engine,
+            self.pool,
+            metrics=self.metrics,
+            local_metrics=local_metrics or self.metrics.exposition,
+            metrics_content_type=CONTENT_TYPE.encode(),
         )
         self.header_timeout_s = header_timeout_s
         sources = tuple(
@@ -75,12 +89,35 @@ class GuardServer:
             interval_s=settings.env.dynamic_poll_interval_ms / 1000,
             on_round=on_poll,
         )
+        self.poller.on_round.append(self._account_poll)
         self._accepting = trio.CancelScope()
         self._listeners: list[trio.SocketListener] = []
         self.draining = False
         self.active_requests = 0
         self._idle = trio.Event()
         self._idle.set()
+
+    def _account_poll(self, report: PollReport) -> None:
+        self.metrics.record_poll(report.at, report.polls, self.engine.state)
+
+    def status(self) -> str:
+        """The ``pig_status`` line for the current state."""
+        return status_line(
+            self.engine.state,
+            version=__version__,
+            backend_names=tuple(self.metrics.backends),
+            backend_unavailable_total=int(self.metrics.backend_unavailable.value),
+            counts=self.metrics.status_counts(),
+        )
+
+    async def log_status(self, interval_s: float) -> None:
+        log.info("%s", startup_line(self.settings, version=__version__))
+        log.info("%s", self.status())
+        if interval_s <= 0:
+            return
+        while True:
+            await trio.sleep(interval_s)
+            log.info("%s", self.status())
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -121,6 +158,8 @@ class GuardServer:
             await self.app.handle(down, request)
         except ClientGone:
             pass
+        except ResponseAborted:
+            down.gone = True  # the client sees the connection close before the response ends
         except Exception:
             log.exception("internal error while serving %s", request.target[:200])
             if down.can_respond:
@@ -161,6 +200,9 @@ class GuardServer:
                     )
 
             nursery.start_soon(accept)
+            nursery.start_soon(
+                self.log_status, float(self.settings.env.pig_status_log_interval_seconds)
+            )
             task_status.started((str(bound[0]), int(bound[1])))
 
     async def drain(self, grace_s: float) -> None:

@@ -62,11 +62,16 @@ class UpstreamConnection:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = 0.0
+        #: Taken from the idle pool (it may have been closed by the backend meanwhile).
+        self.reused = False
 
     async def send(self, *events: h11.Event) -> None:
         data = b"".join(self.h11.send(event) or b"" for event in events)
         if data:
-            await self.stream.send_all(data)
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise UpstreamError(f"{self.target.name}: send failed ({exc})") from None
 
     async def next_event(self) -> h11.Event:
         """The next response event; raises UpstreamError if the backend breaks the exchange."""
@@ -132,6 +137,7 @@ class UpstreamPool:
         while idle:
             connection = idle.pop()
             if now - connection.idle_since <= self.idle_timeout_s:
+                connection.reused = True
                 return connection
             trio.lowlevel.spawn_system_task(connection.aclose)
         return None

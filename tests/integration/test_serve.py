@@ -49,6 +49,10 @@ async def test_healthz_and_the_auth_matrix(start_sim: Any, start_guard: Any, htt
         assert attest.status == 401
         assert json.loads(attest.body)["error"]["type"] == "AuthenticationError"
     assert (await http.request(guard, "POST", "/v1/attestation/report", AUTH)).status == 405
+    # Until its evidence handler exists the report fails closed.
+    unavailable = await http.request(guard, "GET", "/v1/attestation/report", AUTH)
+    assert unavailable.status == 503
+    assert json.loads(unavailable.body)
     chat = await http.request(
         guard, "POST", CHAT, [("Content-Type", "application/json")], chat_body()
     )
@@ -252,3 +256,113 @@ async def test_hostile_heads_are_refused(start_sim: Any, start_guard: Any, http:
     assert (await raw(big)).startswith(b"HTTP/1.1 431")
     garbage = await raw(b"NOT HTTP AT ALL\r\n\r\n")
     assert garbage.startswith(b"HTTP/1.1 400")
+
+
+async def test_an_unreachable_backend_answers_429_on_every_path(
+    start_guard: Any, http: Any
+) -> None:
+    guard, _ = await start_guard({"UPSTREAM": "http://127.0.0.1:9", "DYNAMIC_PIG_ENABLED": "false"})
+    for method, path, body in (("POST", CHAT, chat_body()), ("GET", "/v1/models", b"")):
+        reply = await http.request(guard, method, path, [], body)
+        assert reply.status == 429
+        assert reply.body == TOO_MANY_REQUESTS_BODY
+
+
+async def test_proxy_timeout_before_the_response_head_is_a_429(
+    start_guard: Any, http: Any, nursery: Any
+) -> None:
+    from functools import partial
+
+    async def silent(stream: trio.SocketStream) -> None:
+        async with stream:
+            await trio.sleep_forever()
+
+    listeners = await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    guard, server = await start_guard(
+        {
+            "UPSTREAM": f"http://127.0.0.1:{port}",
+            "DYNAMIC_PIG_ENABLED": "false",
+            "PROXY_TIMEOUT_SECONDS": "1",
+        }
+    )
+    start = trio.current_time()
+    reply = await http.request(guard, "POST", CHAT, [], chat_body())
+    assert reply.status == 429
+    assert 0.9 <= trio.current_time() - start < 3
+    assert server.engine.state.gate.inflight == 0
+
+
+def metric_value(page: bytes, metric: str, **labels: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(page.decode()):
+        for sample in family.samples:
+            if sample.name == metric and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
+async def test_pig_metrics_follow_the_traffic(start_sim: Any, start_guard: Any, http: Any) -> None:
+    sim, _ = await start_sim()
+    guard, server = await start_guard(
+        guard_env(sim, GLOBAL_LIMIT="1", PIG_QUEUE_WAIT_SECONDS="0"), poll=True
+    )
+    holder = await http.connect(guard)
+    await holder.send_request(
+        "POST", CHAT, [*AUTH, ("X-User-Tier", "premium")], chat_body(300, stream=True)
+    )
+    assert (await holder.response_head()).status_code == 200
+    refused = await http.request(guard, "POST", CHAT, AUTH, chat_body())
+    assert refused.status == 429
+    page = (await http.request(guard, "GET", "/pig/metrics", AUTH)).body
+    assert metric_value(page, "pig_tier_requests_total", tier="premium", decision="accepted") == 1
+    assert metric_value(page, "pig_tier_requests_total", tier="basic", decision="rejected") == 1
+    assert metric_value(page, "pig_rejected_total") == 1
+    assert metric_value(page, "pig_tier_inflight", tier="premium") == 1
+    assert metric_value(page, "pig_dynamic_poll_total", result="ok") >= 1  # type: ignore[operator]
+    assert metric_value(page, "pig_dynamic_global_limit") == 1
+    assert metric_value(page, "pig_backend_inflight", name="backend1") == 1
+    await holder.aclose()
+    status = server.status()
+    assert status.startswith("pig_status v=")
+    assert "limit=1" in status
+
+
+async def test_the_lane_header_follows_the_body_size(
+    start_guard: Any, http: Any, nursery: Any
+) -> None:
+    from functools import partial
+
+    import h11
+
+    lanes: list[bytes] = []
+
+    async def echo(stream: trio.SocketStream) -> None:
+        connection = h11.Connection(h11.SERVER)
+        async with stream:
+            while True:
+                event = connection.next_event()
+                if event is h11.NEED_DATA:
+                    data = await stream.receive_some(1 << 20)
+                    if not data:
+                        return
+                    connection.receive_data(data)
+                    continue
+                if isinstance(event, h11.Request):
+                    lanes.append(dict(event.headers)[b"x-pig-lane"])
+                if isinstance(event, h11.EndOfMessage):
+                    response = h11.Response(status_code=200, headers=[("Content-Length", "0")])
+                    await stream.send_all(
+                        connection.send(response) + connection.send(h11.EndOfMessage())
+                    )
+                    return
+
+    listeners = await nursery.start(partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    guard, _ = await start_guard(
+        {"UPSTREAM": f"http://127.0.0.1:{port}", "DYNAMIC_PIG_ENABLED": "false"}
+    )
+    for size in (10, 60_000, 100_000, 600_000):
+        assert (await http.request(guard, "POST", CHAT, [], b"x" * size)).status == 200
+    assert lanes == [b"default", b"medium_body", b"long_body", b"very_long_body"]
