@@ -42,9 +42,9 @@ from guard_core import (
 from guard_core.backend_choice import BackendView, choose_backend
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
 from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
-from guard_trio._engine import GuardEngine, Slot
+from guard_trio._engine import AdmissionResult, GuardEngine, Slot
 from guard_trio._http import fetch
-from guard_trio._observability import GuardMetrics
+from guard_trio._observability import BackendMetrics, GuardMetrics
 from guard_trio._upstream import UpstreamConnection, UpstreamError, UpstreamPool, UpstreamTarget
 
 __all__ = ("TOO_MANY_REQUESTS_BODY", "ProxyApp")
@@ -232,59 +232,78 @@ class ProxyApp:
         tier = tier_from_header_values(_header_values(headers, b"x-user-tier"))
         length = _content_length(headers)
         lane = body_lane(length, self.body_thresholds)
-        metrics = self.metrics
-        lanes = (metrics.lanes[lane], metrics.lanes[Lane.GLOBAL])
-        lanes[0].observe_body(length)
+        self.metrics.lanes[lane].observe_body(length)
         path = request.target.decode("latin-1").partition("?")[0]
         body: list[bytes] | None = None
         if length is not None and length <= _BUFFER_LIMIT:
             body, _complete = await self.read_body(down, _BUFFER_LIMIT)
         started = trio.current_time()
-        refused: RejectCode | None = None
-        waiting = True
+        result: AdmissionResult | None = None
         with trio.CancelScope() as client_scope:
             async with trio.open_nursery() as nursery:
                 if body is not None:
                     # The request is fully read: from now on, a closed client cancels everything.
                     nursery.start_soon(down.watch_for_disconnect, client_scope)
                 result = await self.engine.admit(tier, path=path, body_bytes=length)
-                waiting = False
-                if result.waited_s > 0:
-                    metrics.queue_total.inc()
-                    metrics.queue_wait.observe(result.waited_s)
-                if result.slot is None:
-                    refused = result.code
-                else:
-                    metrics.tier_accepted[tier].inc()
-                    status = 499
-                    for counted in lanes:
-                        counted.accepted.inc()
-                        counted.inflight.inc()
-                    try:
-                        status = await self.forward(
-                            down,
-                            request,
-                            headers,
-                            slot=result.slot,
-                            tier=tier,
-                            lane=lane,
-                            body=body,
-                        )
-                    finally:
-                        result.slot.release(status)
-                        elapsed = trio.current_time() - started
-                        for counted in lanes:
-                            counted.inflight.dec()
-                            counted.complete(499 if down.gone else status, elapsed)
+                self.count_decision(result, started)
+                if result.slot is not None:
+                    await self.serve_slot(
+                        down, request, headers, result, lane=lane, body=body, started=started
+                    )
                 nursery.cancel_scope.cancel()
-        if client_scope.cancelled_caught and waiting:
-            metrics.disconnect_queue.inc()
-            metrics.queue_timeout.inc()
+        if result is None:  # the client left while waiting
+            self.metrics.disconnect_queue.inc()
+            self.metrics.queue_timeout.inc()
             return
-        if refused is not None and not down.gone:
-            self.count_refusal(tier, lane, refused, waited=result.waited_s > 0)
+        if result.code is not None and not down.gone:
+            self.count_refusal(tier, lane, result.code, waited=result.waited_s > 0)
             await self.discard_remaining(down)
             await self.too_many_requests(down)
+
+    def count_decision(self, result: AdmissionResult, started: float) -> None:
+        metrics = self.metrics
+        decided = trio.current_time()
+        metrics.decision_duration.observe(max(0.0, decided - started - result.waited_s))
+        if result.waited_s > 0:
+            metrics.queue_total.inc()
+            metrics.queue_wait.observe(result.waited_s)
+
+    async def serve_slot(
+        self,
+        down: Downstream,
+        request: h11.Request,
+        headers: list[tuple[bytes, bytes]],
+        result: AdmissionResult,
+        *,
+        lane: Lane,
+        body: list[bytes] | None,
+        started: float,
+    ) -> None:
+        """Forward an admitted request; account for it and release its slot on every path."""
+        slot = result.slot
+        assert slot is not None
+        metrics = self.metrics
+        metrics.tier_accepted[slot.tier].inc()
+        lanes = (metrics.lanes[lane], metrics.lanes[Lane.GLOBAL])
+        for counted in lanes:
+            counted.accepted.inc()
+            counted.inflight.inc()
+        decided = trio.current_time()
+        status = 499
+        try:
+            status = await self.forward(
+                down, request, headers, slot=slot, tier=slot.tier, lane=lane, body=body
+            )
+        finally:
+            slot.release(status)
+            ended = trio.current_time()
+            elapsed = ended - started
+            metrics.internal_overhead.observe(
+                max(0.0, elapsed - result.waited_s - (ended - decided))
+            )
+            for counted in lanes:
+                counted.inflight.dec()
+                counted.complete(499 if down.gone else status, elapsed)
 
     def count_refusal(self, tier: Tier, lane: Lane, code: RejectCode, *, waited: bool) -> None:
         """PIG's reject accounting (spec 4.4)."""
@@ -375,6 +394,7 @@ class ProxyApp:
         body: list[bytes] | None = None,
     ) -> int:
         """Forward one request and relay the response; returns the status the client got."""
+        proxy_started = trio.current_time()
         index = self.pick_backend()
         target = self.targets[index]
         body_length = sum(len(c) for c in body) if body is not None else _content_length(headers)
@@ -404,20 +424,12 @@ class ProxyApp:
                             reused = up.reused
                             await up.send(upstream_request)
                             await self.send_body(down, up, body)
-                            status = await self.relay_response(down, up, slot)
+                            status = await self.relay_response(down, up, slot, proxy_started)
                         break
                     except UpstreamError:
                         if attempt == 0 and reused and replayable and down.can_respond:
                             continue
-                        self.metrics.proxy_upstream_errors.inc()
-                        backend.proxy_errors.inc()
-                        if down.can_respond:  # nothing sent to the client yet
-                            await self.discard_remaining(down)
-                            await self.too_many_requests(down)
-                            return 429
-                        self.metrics.proxy_body_copy_errors.inc()
-                        backend.body_copy_errors.inc()
-                        raise ResponseAborted("upstream broke mid-response") from None
+                        return await self.upstream_failed(down, backend)
             if deadline.cancelled_caught:
                 if down.can_respond:
                     await self.discard_remaining(down)
@@ -433,6 +445,7 @@ class ProxyApp:
             self.backend_inflight[index] -= 1
             backend.inflight.dec()
             backend.completed.inc()
+            self.metrics.proxy_total_duration.observe(trio.current_time() - proxy_started)
         return status
 
     async def send_body(
@@ -453,8 +466,20 @@ class ProxyApp:
                     raise ClientGone("client closed while sending its body")
         await up.send(h11.EndOfMessage())
 
+    async def upstream_failed(self, down: Downstream, backend: BackendMetrics) -> int:
+        """The backend failed: a 429 if the client has seen nothing yet, else cut the response."""
+        self.metrics.proxy_upstream_errors.inc()
+        backend.proxy_errors.inc()
+        if down.can_respond:
+            await self.discard_remaining(down)
+            await self.too_many_requests(down)
+            return 429
+        self.metrics.proxy_body_copy_errors.inc()
+        backend.body_copy_errors.inc()
+        raise ResponseAborted("upstream broke mid-response")
+
     async def relay_response(
-        self, down: Downstream, up: UpstreamConnection, slot: Slot | None
+        self, down: Downstream, up: UpstreamConnection, slot: Slot | None, started: float
     ) -> int:
         """Copy the upstream response to the client; returns the status sent."""
         event = await up.next_event()
@@ -482,11 +507,13 @@ class ProxyApp:
             if complete:
                 body = b"".join(chunks)
                 rewritten = reclassify(status, content_type, body)
+                self.metrics.proxy_ttfb.observe(trio.current_time() - started)
                 if rewritten is not None:
                     await down.respond(rewritten.status, _without_length(headers), rewritten.body)
                     return rewritten.status
                 await down.respond(status, _without_length(headers), body)
                 return status
+            self.metrics.proxy_ttfb.observe(trio.current_time() - started)
             await down.send(
                 h11.Response(status_code=status, headers=headers, reason=event.reason),
                 h11.Data(data=b"".join(chunks)),
@@ -497,6 +524,7 @@ class ProxyApp:
         scanner = FirstUsefulEventScanner() if slot is not None and is_sse else None
         head = h11.Response(status_code=status, headers=headers, reason=event.reason)
         first = up.h11.next_event()  # whatever is already buffered goes out with the head
+        self.metrics.proxy_ttfb.observe(trio.current_time() - started)
         if isinstance(first, h11.Data):
             await down.send(head, h11.Data(data=first.data))
             if scanner is not None and scanner.feed(bytes(first.data)) and slot is not None:
