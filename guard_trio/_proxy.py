@@ -31,8 +31,10 @@ import trio
 from guard_adapters.config import Settings
 from guard_adapters.sse import FirstUsefulEventScanner
 from guard_core import (
+    DecisionSource,
     GuardError,
     Lane,
+    LoadState,
     RejectCode,
     Tier,
     body_lane,
@@ -73,6 +75,9 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _BUFFER_LIMIT = 2 * 1024 * 1024
+#: ``SSE_KEEPALIVE_ENABLED``: the comment sent after this long without upstream data.
+KEEPALIVE_AFTER_S = 2.0
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
 _BACKEND_PAGE_LIMIT = 16 * 1024 * 1024
 
 
@@ -123,6 +128,7 @@ class ProxyApp:
         self.api_auth_enabled: bool = env.api_auth_enabled
         self.classify_errors: bool = env.upstream_error_classification_enabled
         self.attestation_enabled: bool = env.attestation_enabled
+        self.sse_keepalive: bool = env.sse_keepalive_enabled
 
     # -- small responses -----------------------------------------------------------------------
 
@@ -139,6 +145,21 @@ class ProxyApp:
         if expected is None or len(values) != 1:
             return False
         return hmac.compare_digest(values[0], expected)
+
+    def low_load(self) -> bool:
+        """PIG's gate for SSE keep-alive and the early bridge: quiet backend, empty queue."""
+        if not self.settings.dynamic_enabled:
+            return True
+        gate = self.engine.state.gate
+        decision = gate.decision
+        return (
+            decision.source is DecisionSource.METRICS
+            and decision.state is LoadState.GREEN
+            and decision.waiting == 0
+            and decision.backend_failed == 0
+            and decision.kv_usage < 0.70
+            and gate.waiting == 0
+        )
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -493,48 +514,81 @@ class ProxyApp:
         content_type = next((v for k, v in upstream_headers if k == b"content-type"), b"")
         length = _content_length(upstream_headers)
         if self.classify_errors and is_candidate(status, content_type, length):
-            chunks: list[bytes] = []
-            size = 0
-            complete = False
-            while size <= BODY_LIMIT:
-                part = await up.next_event()
-                if isinstance(part, h11.Data):
-                    chunks.append(bytes(part.data))
-                    size += len(part.data)
-                elif isinstance(part, h11.EndOfMessage):
-                    complete = True
-                    break
-            if complete:
-                body = b"".join(chunks)
-                rewritten = reclassify(status, content_type, body)
-                self.metrics.proxy_ttfb.observe(trio.current_time() - started)
-                if rewritten is not None:
-                    await down.respond(rewritten.status, _without_length(headers), rewritten.body)
-                    return rewritten.status
-                await down.respond(status, _without_length(headers), body)
-                return status
-            self.metrics.proxy_ttfb.observe(trio.current_time() - started)
-            await down.send(
-                h11.Response(status_code=status, headers=headers, reason=event.reason),
-                h11.Data(data=b"".join(chunks)),
+            return await self.relay_error(
+                down, up, event, headers=headers, content_type=content_type, started=started
             )
-            await self.copy_body(down, up, scanner=None, slot=None)
-            return status
         is_sse = status == 200 and b"text/event-stream" in content_type.lower()
         scanner = FirstUsefulEventScanner() if slot is not None and is_sse else None
+        keepalive = is_sse and self.sse_keepalive and self.low_load()
+        if keepalive:
+            self.metrics.sse_keepalive_streams.inc()
+            headers = _without_length(headers)
         head = h11.Response(status_code=status, headers=headers, reason=event.reason)
-        first = up.h11.next_event()  # whatever is already buffered goes out with the head
         self.metrics.proxy_ttfb.observe(trio.current_time() - started)
+        if await self.send_head(down, up, head, scanner=scanner, slot=slot):
+            await self.copy_body(down, up, scanner=scanner, slot=slot, keepalive=keepalive)
+        return status
+
+    async def send_head(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        head: h11.Response,
+        *,
+        scanner: FirstUsefulEventScanner | None,
+        slot: Slot | None,
+    ) -> bool:
+        """Send the head together with any body bytes already read; False if the body ended."""
+        first = up.h11.next_event()
         if isinstance(first, h11.Data):
             await down.send(head, h11.Data(data=first.data))
             if scanner is not None and scanner.feed(bytes(first.data)) and slot is not None:
                 slot.first_token()
-        elif isinstance(first, h11.EndOfMessage):
+            return True
+        if isinstance(first, h11.EndOfMessage):
             await down.send(head, h11.EndOfMessage())
+            return False
+        await down.send(head)
+        return True
+
+    async def relay_error(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        event: h11.Response,
+        *,
+        headers: list[tuple[bytes, bytes]],
+        content_type: bytes,
+        started: float,
+    ) -> int:
+        """A 500 that may be the client's fault: read up to 64 KiB and rewrite it if so."""
+        status = event.status_code
+        chunks: list[bytes] = []
+        size = 0
+        complete = False
+        while size <= BODY_LIMIT:
+            part = await up.next_event()
+            if isinstance(part, h11.Data):
+                chunks.append(bytes(part.data))
+                size += len(part.data)
+            elif isinstance(part, h11.EndOfMessage):
+                complete = True
+                break
+        self.metrics.proxy_ttfb.observe(trio.current_time() - started)
+        if complete:
+            body = b"".join(chunks)
+            rewritten = reclassify(status, content_type, body)
+            if rewritten is not None:
+                await down.respond(rewritten.status, _without_length(headers), rewritten.body)
+                return rewritten.status
+            await down.respond(status, _without_length(headers), body)
             return status
-        else:
-            await down.send(head)
-        await self.copy_body(down, up, scanner=scanner, slot=slot)
+        # Longer than 64 KiB: pass it through untouched, the part already read first.
+        await down.send(
+            h11.Response(status_code=status, headers=headers, reason=event.reason),
+            h11.Data(data=b"".join(chunks)),
+        )
+        await self.copy_body(down, up, scanner=None, slot=None)
         return status
 
     async def copy_body(
@@ -544,10 +598,24 @@ class ProxyApp:
         *,
         scanner: FirstUsefulEventScanner | None,
         slot: Slot | None,
+        keepalive: bool = False,
     ) -> None:
-        """Pass body chunks through as they come; scan only until the first useful SSE event."""
+        """Pass body chunks through as they come; scan only until the first useful SSE event.
+
+        With ``keepalive``, an SSE comment goes out whenever the backend stays silent for
+        :data:`KEEPALIVE_AFTER_S` (a cancelled receive loses no bytes).
+        """
         while True:
-            event = await up.next_event()
+            if keepalive:
+                event = None
+                with trio.move_on_after(KEEPALIVE_AFTER_S):
+                    event = await up.next_event()
+                if event is None:
+                    await down.send(h11.Data(data=KEEPALIVE_COMMENT))
+                    self.metrics.sse_keepalive_comments.inc()
+                    continue
+            else:
+                event = await up.next_event()
             if isinstance(event, h11.Data):
                 await down.send(h11.Data(data=event.data))
                 if scanner is not None:

@@ -367,3 +367,40 @@ async def test_the_lane_header_follows_the_body_size(
     for size in (10, 60_000, 100_000, 600_000):
         assert (await http.request(guard, "POST", CHAT, [], b"x" * size)).status == 200
     assert lanes == [b"default", b"medium_body", b"long_body", b"very_long_body"]
+
+
+async def test_sse_keepalive_comments_fill_upstream_silence(
+    start_guard: Any, http: Any, nursery: Any
+) -> None:
+    from functools import partial
+
+    import h11
+
+    async def slow_sse(stream: trio.SocketStream) -> None:
+        connection = h11.Connection(h11.SERVER)
+        async with stream:
+            while not isinstance(event := connection.next_event(), h11.EndOfMessage):
+                if event is h11.NEED_DATA:
+                    connection.receive_data(await stream.receive_some(65536))
+            head = h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream")])
+            await stream.send_all(
+                connection.send(head) + connection.send(h11.Data(data=b"data: 1\n\n"))
+            )
+            await trio.sleep(2.3)
+            await stream.send_all(
+                connection.send(h11.Data(data=b"data: 2\n\n")) + connection.send(h11.EndOfMessage())
+            )
+
+    listeners = await nursery.start(partial(trio.serve_tcp, slow_sse, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    guard, server = await start_guard(
+        {
+            "UPSTREAM": f"http://127.0.0.1:{port}",
+            "DYNAMIC_PIG_ENABLED": "false",
+            "SSE_KEEPALIVE_ENABLED": "true",
+        }
+    )
+    reply = await http.request(guard, "POST", CHAT, [("Accept", "text/event-stream")], b"{}")
+    assert reply.body == b"data: 1\n\n: keep-alive\n\ndata: 2\n\n"
+    assert server.metrics.sse_keepalive_streams.value == 1
+    assert server.metrics.sse_keepalive_comments.value == 1
