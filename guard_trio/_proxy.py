@@ -29,7 +29,7 @@ import h11
 import trio
 
 from guard_adapters.config import Settings
-from guard_adapters.sse import FirstUsefulEventScanner
+from guard_adapters.sse import FirstUsefulEventScanner, is_streaming_request
 from guard_core import (
     DecisionSource,
     GuardError,
@@ -78,6 +78,15 @@ _BUFFER_LIMIT = 2 * 1024 * 1024
 #: ``SSE_KEEPALIVE_ENABLED``: the comment sent after this long without upstream data.
 KEEPALIVE_AFTER_S = 2.0
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
+#: ``SSE_EARLY_BRIDGE_ENABLED``: how long a streamed request waits for the backend's head before
+#: the client gets its 200 stream anyway.
+BRIDGE_GRACE_S = 0.5
+_BRIDGE_SAFE_BODY = 524_288
+_BRIDGE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 _BACKEND_PAGE_LIMIT = 16 * 1024 * 1024
 
 
@@ -129,6 +138,7 @@ class ProxyApp:
         self.classify_errors: bool = env.upstream_error_classification_enabled
         self.attestation_enabled: bool = env.attestation_enabled
         self.sse_keepalive: bool = env.sse_keepalive_enabled
+        self.sse_early_bridge: bool = env.sse_early_bridge_enabled
 
     # -- small responses -----------------------------------------------------------------------
 
@@ -433,6 +443,15 @@ class ProxyApp:
         backend.inflight.inc()
         backend.accepted.inc()
         status = 0
+        bridge = (
+            self.sse_early_bridge
+            and slot is not None
+            and body is not None
+            and body_length is not None
+            and body_length < _BRIDGE_SAFE_BODY
+            and is_streaming_request(_first_header(headers, b"accept"), b"".join(body))
+            and self.low_load()
+        )
         # A request whose body we hold (or that has none) can be sent again when a kept-alive
         # connection turns out to be closed before any byte of the response came back.
         replayable = body is not None or body_length == 0
@@ -445,7 +464,9 @@ class ProxyApp:
                             reused = up.reused
                             await up.send(upstream_request)
                             await self.send_body(down, up, body)
-                            status = await self.relay_response(down, up, slot, proxy_started)
+                            status = await self.relay_response(
+                                down, up, slot, proxy_started, bridge=bridge
+                            )
                         break
                     except UpstreamError:
                         if attempt == 0 and reused and replayable and down.can_respond:
@@ -500,13 +521,27 @@ class ProxyApp:
         raise ResponseAborted("upstream broke mid-response")
 
     async def relay_response(
-        self, down: Downstream, up: UpstreamConnection, slot: Slot | None, started: float
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        slot: Slot | None,
+        started: float,
+        *,
+        bridge: bool = False,
     ) -> int:
-        """Copy the upstream response to the client; returns the status sent."""
-        event = await up.next_event()
-        while isinstance(event, h11.InformationalResponse):
-            event = await up.next_event()
-        assert isinstance(event, h11.Response)
+        """Copy the upstream response to the client; returns the status sent.
+
+        With ``bridge`` (spec 8.4), a backend that has not answered its head within
+        :data:`BRIDGE_GRACE_S` gets the client a 200 event stream at once.
+        """
+        event: h11.Response | None = None
+        if bridge:
+            with trio.move_on_after(BRIDGE_GRACE_S):
+                event = await _response_head(up)
+            if event is None:
+                return await self.relay_bridged(down, up, slot, started)
+        if event is None:
+            event = await _response_head(up)
         status = event.status_code
         upstream_headers = list(event.headers)
         drop = _hop_by_hop(upstream_headers)
@@ -550,6 +585,35 @@ class ProxyApp:
             return False
         await down.send(head)
         return True
+
+    async def relay_bridged(
+        self, down: Downstream, up: UpstreamConnection, slot: Slot | None, started: float
+    ) -> int:
+        """The early bridge: a 200 stream with a comment now, the backend events once it answers."""
+        metrics = self.metrics
+        metrics.sse_bridge_streams.inc()
+        metrics.sse_keepalive_streams.inc()
+        metrics.sse_keepalive_comments.inc()
+        metrics.proxy_ttfb.observe(trio.current_time() - started)
+        await down.send(
+            h11.Response(status_code=200, headers=_BRIDGE_HEADERS, reason=b"OK"),
+            h11.Data(data=KEEPALIVE_COMMENT),
+        )
+        try:
+            event = await _response_head(up)
+            content_type = next((v for k, v in event.headers if k == b"content-type"), b"")
+            if event.status_code != 200 or b"text/event-stream" not in content_type.lower():
+                metrics.sse_bridge_invalid_upstream.inc()
+                while not isinstance(await up.next_event(), h11.EndOfMessage):
+                    pass  # the body is discarded; the client gets an empty stream
+                await down.send(h11.EndOfMessage())
+                return 200
+        except UpstreamError:
+            metrics.sse_bridge_upstream_errors.inc()
+            await down.send(h11.EndOfMessage())
+            return 200
+        await self.copy_body(down, up, scanner=FirstUsefulEventScanner(), slot=slot)
+        return 200
 
     async def relay_error(
         self,
@@ -656,8 +720,13 @@ class ProxyApp:
         return b"".join(parts)
 
 
-async def _never() -> None:
-    await trio.sleep_forever()
+async def _response_head(up: UpstreamConnection) -> h11.Response:
+    event = await up.next_event()
+    while isinstance(event, h11.InformationalResponse):
+        event = await up.next_event()
+    if not isinstance(event, h11.Response):
+        raise UpstreamError(f"{up.target.name}: no response head")
+    return event
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -669,6 +738,10 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     except ValueError:
         return None
     return value if value >= 0 else None
+
+
+def _first_header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    return next((value for key, value in headers if key == name), None)
 
 
 def _without_length(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

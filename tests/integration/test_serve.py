@@ -404,3 +404,85 @@ async def test_sse_keepalive_comments_fill_upstream_silence(
     assert reply.body == b"data: 1\n\n: keep-alive\n\ndata: 2\n\n"
     assert server.metrics.sse_keepalive_streams.value == 1
     assert server.metrics.sse_keepalive_comments.value == 1
+
+
+async def test_early_bridge_opens_a_stream_while_the_backend_is_slow(
+    start_guard: Any, http: Any, nursery: Any
+) -> None:
+    from functools import partial
+
+    import h11
+
+    behaviour: dict[str, str] = {}
+
+    async def late(stream: trio.SocketStream) -> None:
+        connection = h11.Connection(h11.SERVER)
+        async with stream:
+            while not isinstance(event := connection.next_event(), h11.EndOfMessage):
+                if event is h11.NEED_DATA:
+                    connection.receive_data(await stream.receive_some(65536))
+            await trio.sleep(0.8)
+            if behaviour["mode"] == "close":
+                return
+            if behaviour["mode"] == "404":
+                head = h11.Response(status_code=404, headers=[("Content-Length", "9")])
+                await stream.send_all(
+                    connection.send(head)
+                    + connection.send(h11.Data(data=b"not here\n"))
+                    + connection.send(h11.EndOfMessage())
+                )
+                return
+            head = h11.Response(
+                status_code=200,
+                headers=[("Content-Type", "text/event-stream"), ("X-Upstream", "1")],
+            )
+            await stream.send_all(
+                connection.send(head)
+                + connection.send(
+                    h11.Data(data=b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
+                )
+                + connection.send(h11.EndOfMessage())
+            )
+
+    listeners = await nursery.start(partial(trio.serve_tcp, late, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    guard, server = await start_guard(
+        {
+            "UPSTREAM": f"http://127.0.0.1:{port}",
+            "DYNAMIC_PIG_ENABLED": "false",
+            "SSE_EARLY_BRIDGE_ENABLED": "true",
+        }
+    )
+    body = b'{"stream": true}'
+
+    behaviour["mode"] = "ok"
+    connection = await http.connect(guard)
+    start = trio.current_time()
+    await connection.send_request("POST", CHAT, [], body)
+    head = await connection.response_head()
+    assert head.status_code == 200
+    assert trio.current_time() - start < 0.75  # the bridge opened before the backend answered
+    assert dict(head.headers)[b"content-type"] == b"text/event-stream"
+    assert b"x-upstream" not in dict(head.headers)
+    streamed = b"".join([chunk async for chunk in connection.chunks()])
+    await connection.aclose()
+    assert streamed == b': keep-alive\n\ndata: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+    assert server.metrics.sse_bridge_streams.value == 1
+    semantic = server.engine.state.learner.semantic_ttft
+    assert semantic is not None
+    assert semantic.count == 1
+
+    behaviour["mode"] = "404"
+    reply = await http.request(guard, "POST", CHAT, [], body)
+    assert (reply.status, reply.body) == (200, b": keep-alive\n\n")
+    assert server.metrics.sse_bridge_invalid_upstream.value == 1
+
+    behaviour["mode"] = "close"
+    reply = await http.request(guard, "POST", CHAT, [], body)
+    assert (reply.status, reply.body) == (200, b": keep-alive\n\n")
+    assert server.metrics.sse_bridge_upstream_errors.value == 1
+
+    # A request that does not ask for a stream never gets the bridge.
+    behaviour["mode"] = "ok"
+    plain = await http.request(guard, "POST", CHAT, [], b"{}")
+    assert plain.header("x-upstream") == b"1"

@@ -206,3 +206,61 @@ async def test_sigterm_drains_a_running_stream_and_exits_0(start_sim: Any, http:
             await process.wait()
         if process.stderr is not None:
             await process.stderr.aclose()
+
+
+async def test_serve_with_three_variables_guards_a_running_sim_backend(http: Any) -> None:
+    """The acceptance setup: both as real processes, the guard given only UPSTREAM,
+    DYNAMIC_METRICS_URL and TOKEN (plus LISTEN to stay on loopback)."""
+    base_env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "PYTHONPATH")}
+
+    def free_port() -> int:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return int(probe.getsockname()[1])
+
+    sim_port, guard_port = free_port(), free_port()
+    sim = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "guard_trio", "sim-backend", "--port", str(sim_port)],
+        env=base_env,
+        stdout=subprocess.DEVNULL,
+    )
+    guard_env_vars = {
+        **base_env,
+        "UPSTREAM": f"http://127.0.0.1:{sim_port}",
+        "DYNAMIC_METRICS_URL": f"http://127.0.0.1:{sim_port}/metrics",
+        "TOKEN": TOKEN,
+        "LISTEN": f"127.0.0.1:{guard_port}",
+    }
+    guard = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "guard_trio", "serve"], env=guard_env_vars, stderr=subprocess.DEVNULL
+    )
+    base = f"http://127.0.0.1:{guard_port}"
+    try:
+        with trio.fail_after(30):
+            while True:
+                try:
+                    status = await http.request(base, "GET", "/v1/upstream-status", AUTH)
+                except OSError:
+                    await trio.sleep(0.1)
+                    continue
+                if status.body == b"0\n":  # polled, and the backend is green
+                    break
+                await trio.sleep(0.1)
+            reply = await http.request(base, "POST", CHAT, AUTH, chat_body(5))
+            assert reply.status == 200
+            assert json.loads(reply.body)["usage"]["completion_tokens"] == 5
+            denied = await http.request(base, "POST", CHAT, [], chat_body(5))
+            assert denied.status == 401
+    finally:
+        for process in (guard, sim):
+            process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(15):
+            await guard.wait()
+            await sim.wait()
+        for process in (guard, sim):
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert guard.returncode == 0
