@@ -681,9 +681,16 @@ class ProxyApp:
             else:
                 event = await up.next_event()
             if isinstance(event, h11.Data):
-                await down.send(h11.Data(data=event.data))
+                data, ended = _drain_buffered(up, bytes(event.data))
+                if ended:
+                    await down.send(h11.Data(data=data), h11.EndOfMessage())
+                    if scanner is not None and scanner.feed(data) and slot is not None:
+                        slot.first_token()
+                    return
+                # One downstream write for everything this upstream read brought.
+                await down.send(h11.Data(data=data))
                 if scanner is not None:
-                    if scanner.feed(bytes(event.data)) and slot is not None:
+                    if scanner.feed(data) and slot is not None:
                         slot.first_token()
                     if scanner.done or scanner.limit_reached:
                         scanner = None
@@ -718,6 +725,19 @@ class ProxyApp:
         if fetched == 0:
             parts.append(b"# no backend metrics were fetched\n")
         return b"".join(parts)
+
+
+def _drain_buffered(up: UpstreamConnection, data: bytes) -> tuple[bytes, bool]:
+    """Join the body bytes h11 already holds to ``data``; True if the body ended too."""
+    parts = [data]
+    while True:
+        event = up.h11.next_event()
+        if isinstance(event, h11.Data):
+            parts.append(bytes(event.data))
+        elif isinstance(event, h11.EndOfMessage):
+            return b"".join(parts), True
+        else:  # NEED_DATA: nothing more buffered
+            return b"".join(parts), False
 
 
 async def _response_head(up: UpstreamConnection) -> h11.Response:
