@@ -28,7 +28,16 @@ from urllib.parse import unquote
 import h11
 import trio
 
+from guard_adapters._errors import BodyRewriteError
 from guard_adapters.config import Settings
+from guard_adapters.openai_body import (
+    InjectionPolicy,
+    Plan,
+    StreamingRewriter,
+    output_token_intent,
+    rewrite,
+)
+from guard_adapters.openai_body import plan as body_plan
 from guard_adapters.sse import FirstUsefulEventScanner, is_streaming_request
 from guard_core import (
     DecisionSource,
@@ -42,6 +51,13 @@ from guard_core import (
     upstream_status_digit,
 )
 from guard_core.backend_choice import BackendView, choose_backend
+from guard_core.lanes import (
+    DEFAULT_OUTPUT_THRESHOLDS,
+    AdaptiveOutputState,
+    Thresholds,
+    combine_lanes,
+    output_lane,
+)
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
 from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
 from guard_trio._engine import AdmissionResult, GuardEngine, Slot
@@ -75,6 +91,8 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _BUFFER_LIMIT = 2 * 1024 * 1024
+#: ``rewrite_body``'s answer when the request must be refused (fail-closed injection).
+_REFUSE = object()
 #: ``SSE_KEEPALIVE_ENABLED``: the comment sent after this long without upstream data.
 KEEPALIVE_AFTER_S = 2.0
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
@@ -138,6 +156,29 @@ class ProxyApp:
         self.classify_errors: bool = env.upstream_error_classification_enabled
         self.attestation_enabled: bool = env.attestation_enabled
         self.sse_keepalive: bool = env.sse_keepalive_enabled
+        self.injection = InjectionPolicy(
+            enabled=settings.priority_enabled,
+            mode=settings.priority_mode,  # type: ignore[arg-type]
+            strategy=settings.priority_strategy,  # type: ignore[arg-type]
+            field=settings.priority_field,
+            premium_value=settings.priority_premium_value,
+            basic_value=settings.priority_basic_value,
+            body_bytes=settings.priority_body_bytes,
+            buffer_bytes=settings.priority_buffer_bytes,
+            stream_buffer_bytes=settings.priority_stream_buffer_bytes,
+            rewrite_limit=settings.priority_rewrite_limit,
+            fail_open=settings.priority_fail_open,
+            strip_empty_tool_calls=settings.compat_strip_empty_tool_calls,
+            compat_body_bytes=settings.compat_body_bytes,
+            compat_fail_open=settings.compat_fail_open,
+        )
+        self.rewrites_in_flight = 0
+        self.classify = env.classify_output_tokens
+        self.classify_body_bytes = env.json_classify_body_bytes
+        self.classify_fields = env.output_token_field_names
+        self.adaptive_config = settings.adaptive_output
+        self.adaptive = AdaptiveOutputState()
+        self.output_thresholds = settings.lane_thresholds.output
         self.sse_early_bridge: bool = env.sse_early_bridge_enabled
 
     # -- small responses -----------------------------------------------------------------------
@@ -268,6 +309,9 @@ class ProxyApp:
         body: list[bytes] | None = None
         if length is not None and length <= _BUFFER_LIMIT:
             body, _complete = await self.read_body(down, _BUFFER_LIMIT)
+        output_tokens = self.output_intent(lane, length, body)
+        if output_tokens is not None:
+            lane = combine_lanes(lane, output_lane(output_tokens, self.current_output_thresholds()))
         started = trio.current_time()
         result: AdmissionResult | None = None
         with trio.CancelScope() as client_scope:
@@ -279,7 +323,14 @@ class ProxyApp:
                 self.count_decision(result, started)
                 if result.slot is not None:
                     await self.serve_slot(
-                        down, request, headers, result, lane=lane, body=body, started=started
+                        down,
+                        request,
+                        headers,
+                        result,
+                        lane=lane,
+                        body=body,
+                        started=started,
+                        output_tokens=output_tokens,
                     )
                 nursery.cancel_scope.cancel()
         if result is None:  # the client left while waiting
@@ -309,6 +360,7 @@ class ProxyApp:
         lane: Lane,
         body: list[bytes] | None,
         started: float,
+        output_tokens: int | None,
     ) -> None:
         """Forward an admitted request; account for it and release its slot on every path."""
         slot = result.slot
@@ -321,9 +373,43 @@ class ProxyApp:
             counted.inflight.inc()
         decided = trio.current_time()
         status = 499
+        plan = body_plan(
+            self.injection,
+            tier=slot.tier,
+            content_type=_first_header(headers, b"content-type"),
+            content_length=_content_length(headers),
+            slot_free=self.rewrites_in_flight < self.injection.rewrite_limit,
+        )
+        for name in plan.counts:
+            self.count_priority(name)
         try:
+            if plan.uses_slot:
+                self.rewrites_in_flight += 1
+                metrics.priority_rewrite_inflight.inc()
+            try:
+                rewritten = await self.rewrite_body(down, plan, body, _content_length(headers))
+            finally:
+                if plan.uses_slot:
+                    self.rewrites_in_flight -= 1
+                    metrics.priority_rewrite_inflight.dec()
+            if rewritten is _REFUSE:
+                self.count_refusal(
+                    slot.tier, lane, RejectCode.BACKEND_PRIORITY_INJECTION, waited=False
+                )
+                await self.discard_remaining(down)
+                await self.too_many_requests(down)
+                status = 429
+                return
             status = await self.forward(
-                down, request, headers, slot=slot, tier=slot.tier, lane=lane, body=body
+                down,
+                request,
+                headers,
+                slot=slot,
+                tier=slot.tier,
+                lane=lane,
+                body=rewritten if isinstance(rewritten, list) else body,
+                rewriter=rewritten if isinstance(rewritten, StreamingRewriter) else None,
+                output_tokens=output_tokens,
             )
         finally:
             slot.release(status)
@@ -335,6 +421,59 @@ class ProxyApp:
             for counted in lanes:
                 counted.inflight.dec()
                 counted.complete(499 if down.gone else status, elapsed)
+
+    def output_intent(self, lane: Lane, length: int | None, body: list[bytes] | None) -> int | None:
+        """Spec 6.4: the requested output tokens, when classification is on and the body is read."""
+        if not self.classify or lane is Lane.UNKNOWN_BODY or body is None:
+            return None
+        if length is None or length > self.classify_body_bytes:
+            return None
+        # The walk is synchronous here, so the JSON_CLASSIFY_LIMIT slots are never all busy.
+        tokens = output_token_intent(b"".join(body), self.classify_fields)
+        if tokens is not None and self.adaptive_config is not None:
+            self.adaptive = self.adaptive.observe(tokens, self.adaptive_config)
+        return tokens
+
+    def current_output_thresholds(self) -> Thresholds:
+        if self.adaptive_config is None:
+            return self.output_thresholds or DEFAULT_OUTPUT_THRESHOLDS
+        return self.adaptive.effective(self.adaptive_config, self.engine.state.gate.decision.state)
+
+    def count_priority(self, name: str) -> None:
+        counter = {
+            "rewritten": self.metrics.priority_rewrites,
+            "skipped": self.metrics.priority_skipped,
+            "failed": self.metrics.priority_failed,
+        }[name]
+        counter.inc()
+
+    async def rewrite_body(
+        self, down: Downstream, plan: Plan, body: list[bytes] | None, length: int | None
+    ) -> list[bytes] | StreamingRewriter | object | None:
+        """Spec 6.3: the body to send (rewritten chunks), a streaming rewriter, ``None`` to send
+        the body unchanged, or :data:`_REFUSE` for a 429."""
+        if plan.action == "reject":
+            return _REFUSE
+        if plan.action == "unchanged":
+            return None
+        if plan.action == "streaming":
+            return StreamingRewriter(plan)
+        if body is None:  # a strict-mode plan buffers bodies larger than the usual 2 MiB
+            assert length is not None
+            body, _complete = await self.read_body(down, length)
+        started = trio.current_time()
+        try:
+            new = rewrite(b"".join(body), plan=plan)
+        except BodyRewriteError:
+            counter = plan.outcome_counter(ok=False)
+            if counter is not None:
+                self.count_priority(counter)
+            return body if plan.fail_open else _REFUSE
+        counter = plan.outcome_counter(ok=True)
+        if counter is not None:
+            self.count_priority(counter)
+            self.metrics.priority_rewrite_duration.observe(trio.current_time() - started)
+        return [new]
 
     def count_refusal(self, tier: Tier, lane: Lane, code: RejectCode, *, waited: bool) -> None:
         """PIG's reject accounting (spec 4.4)."""
@@ -393,6 +532,7 @@ class ProxyApp:
         tier: Tier | None,
         lane: Lane,
         body_length: int | None,
+        output_tokens: int | None = None,
     ) -> list[tuple[bytes, bytes]]:
         drop = _hop_by_hop(headers) | {b"host", b"content-length", b"x-forwarded-for"}
         out = [
@@ -407,6 +547,8 @@ class ProxyApp:
         if tier is not None:
             out.append((b"x-pig-tier", str(tier).encode()))
             out.append((b"x-pig-lane", str(lane).encode()))
+            if output_tokens is not None:
+                out.append((b"x-pig-output-tokens", str(output_tokens).encode()))
         if body_length is not None:
             out.append((b"content-length", str(body_length).encode()))
         else:
@@ -423,19 +565,29 @@ class ProxyApp:
         tier: Tier | None,
         lane: Lane = Lane.DEFAULT,
         body: list[bytes] | None = None,
+        rewriter: StreamingRewriter | None = None,
+        output_tokens: int | None = None,
     ) -> int:
         """Forward one request and relay the response; returns the status the client got."""
         proxy_started = trio.current_time()
         index = self.pick_backend()
         target = self.targets[index]
         body_length = sum(len(c) for c in body) if body is not None else _content_length(headers)
+        if rewriter is not None:
+            body_length = None  # the rewritten body goes upstream chunked
         if body is None and request.method in (b"GET", b"HEAD") and body_length is None:
             body_length = 0 if not _header_values(headers, b"transfer-encoding") else None
         upstream_request = h11.Request(
             method=request.method,
             target=target.base_path.encode() + request.target,
             headers=self.upstream_headers(
-                down, headers, target, tier=tier, lane=lane, body_length=body_length
+                down,
+                headers,
+                target,
+                tier=tier,
+                lane=lane,
+                body_length=body_length,
+                output_tokens=output_tokens,
             ),
         )
         self.backend_inflight[index] += 1
@@ -463,7 +615,7 @@ class ProxyApp:
                         async with self.pool.connection(target, fresh=attempt > 0) as up:
                             reused = up.reused
                             await up.send(upstream_request)
-                            await self.send_body(down, up, body)
+                            await self.send_body(down, up, body, rewriter)
                             status = await self.relay_response(
                                 down, up, slot, proxy_started, bridge=bridge
                             )
@@ -491,21 +643,40 @@ class ProxyApp:
         return status
 
     async def send_body(
-        self, down: Downstream, up: UpstreamConnection, body: list[bytes] | None
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        body: list[bytes] | None,
+        rewriter: StreamingRewriter | None = None,
     ) -> None:
-        """The request body upstream: the buffered chunks, or streamed as the client sends it."""
+        """The request body upstream: the buffered chunks, or streamed as the client sends it
+        (through the streaming priority rewriter when there is one)."""
         if body is not None:
             for chunk in body:
                 await up.send(h11.Data(data=chunk))
-        else:
+            await up.send(h11.EndOfMessage())
+            return
+        try:
             while True:
                 event = await down.next_event()
                 if isinstance(event, h11.Data):
-                    await up.send(h11.Data(data=event.data))
+                    data = bytes(event.data) if rewriter is None else rewriter.feed(event.data)
+                    if data:
+                        await up.send(h11.Data(data=data))
                 elif isinstance(event, h11.EndOfMessage):
                     break
                 else:
                     raise ClientGone("client closed while sending its body")
+            if rewriter is not None:
+                tail = rewriter.finish()
+                if tail:
+                    await up.send(h11.Data(data=tail))
+        except BodyRewriteError as exc:
+            # PIG surfaces a failed streaming rewrite as a broken request body: an upstream error.
+            self.count_priority("failed")
+            raise UpstreamError(f"request body rewrite failed: {exc}") from None
+        if rewriter is not None:
+            self.count_priority("rewritten")
         await up.send(h11.EndOfMessage())
 
     async def upstream_failed(self, down: Downstream, backend: BackendMetrics) -> int:
