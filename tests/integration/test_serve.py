@@ -486,3 +486,35 @@ async def test_early_bridge_opens_a_stream_while_the_backend_is_slow(
     behaviour["mode"] = "ok"
     plain = await http.request(guard, "POST", CHAT, [], b"{}")
     assert plain.header("x-upstream") == b"1"
+
+
+async def test_v1_metrics_appends_each_backend_page(
+    start_sim: Any, start_guard: Any, http: Any
+) -> None:
+    sim, _ = await start_sim()
+    guard, _ = await start_guard(guard_env(sim))
+    page = (await http.request(guard, "GET", "/v1/metrics", AUTH)).body
+    local, _, backends = page.partition(b"\n# --- Backend Metrics ---\n")
+    assert b"pig_dynamic_global_limit" in local
+    assert f"# --- backend backend1 {sim}/metrics ---".encode() in backends
+    assert b"vllm:num_requests_running" in backends
+
+
+async def test_a_slow_request_head_gets_408(start_sim: Any, http: Any, nursery: Any) -> None:
+    from guard_adapters.config import load_config
+    from guard_trio._server import GuardServer
+
+    sim, _ = await start_sim()
+    settings = load_config(
+        {"LISTEN": "127.0.0.1:0", "UPSTREAM": sim, "DYNAMIC_PIG_ENABLED": "false"}
+    )
+    server = GuardServer(settings, header_timeout_s=0.3)
+    host, port = await nursery.start(server.serve)
+    stream = await trio.open_tcp_stream(host, port)
+    async with stream:
+        await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and then nothing
+        received = b""
+        with trio.fail_after(3):
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 408")
