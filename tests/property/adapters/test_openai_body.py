@@ -836,6 +836,19 @@ def test_any_split_streams_to_the_same_bytes(
     assert streamed(body, rewrite_plan, after_backslashes) == whole
 
 
+@given(st.text(st.sampled_from('"\\a中'), min_size=900, max_size=5000), st.data())
+def test_long_strings_dense_with_escapes(text: str, data: st.DataObject) -> None:
+    # Long enough for the windowed escape pairing, whose window edges often split an escape.
+    document = {"messages": [{"content": text, "tool_calls": []}], "k": [text], "e": text}
+    body = json.dumps(document, ensure_ascii=False).encode()
+    source = decode(body)
+    assert isinstance(source, Obj)
+    out = rewrite(body, plan=PREMIUM)
+    assert same(decode(out), expected_members(source, PREMIUM))
+    cuts = data.draw(st.lists(st.integers(0, len(body)), max_size=6))
+    assert streamed(body, PREMIUM, cuts) == out
+
+
 @given(documents)
 def test_append_last_inserts_before_the_closing_brace(
     drawn: tuple[Obj, random.Random, bool],
