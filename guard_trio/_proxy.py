@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from functools import partial
 from urllib.parse import unquote
 
 import h11
@@ -93,6 +94,8 @@ _HOP_BY_HOP = frozenset(
 _BUFFER_LIMIT = 2 * 1024 * 1024
 #: ``rewrite_body``'s answer when the request must be refused (fail-closed injection).
 _REFUSE = object()
+#: Buffered rewrites of bodies larger than this run in a worker thread.
+_REWRITE_IN_THREAD_BYTES = 256 * 1024
 #: ``SSE_KEEPALIVE_ENABLED``: the comment sent after this long without upstream data.
 KEEPALIVE_AFTER_S = 2.0
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
@@ -462,8 +465,13 @@ class ProxyApp:
             assert length is not None
             body, _complete = await self.read_body(down, length)
         started = trio.current_time()
+        joined = b"".join(body)
         try:
-            new = rewrite(b"".join(body), plan=plan)
+            if len(joined) > _REWRITE_IN_THREAD_BYTES:
+                # Tens of milliseconds of CPU: a worker thread keeps other streams moving meanwhile.
+                new = await trio.to_thread.run_sync(partial(rewrite, joined, plan=plan))
+            else:
+                new = rewrite(joined, plan=plan)
         except BodyRewriteError:
             counter = plan.outcome_counter(ok=False)
             if counter is not None:

@@ -138,3 +138,19 @@ async def test_output_token_classification_sets_the_header_and_the_lane(
         b"long_output",
         b"very_long_output",
     ]
+
+
+async def test_a_large_buffered_body_is_rewritten_off_the_event_loop(
+    start_guard: Any, http: Any, nursery: trio.Nursery
+) -> None:
+    upstream, seen = await recording_backend(nursery)
+    guard, _ = await start_guard(env(upstream))
+    messages = [
+        {"role": "user", "content": f"message {i}", "tool_calls": []} for i in range(20_000)
+    ]
+    body = json.dumps({"model": "m", "messages": messages}).encode()  # about 1.1 MB: buffered
+    assert (await http.request(guard, "POST", CHAT, [], body)).status == 200
+    doc = json.loads(seen[-1][1])
+    assert doc["priority"] == 0
+    assert len(doc["messages"]) == 20_000
+    assert all("tool_calls" not in m for m in doc["messages"])
