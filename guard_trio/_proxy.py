@@ -147,7 +147,6 @@ class ProxyApp:
         self.metrics_content_type = metrics_content_type
         env = settings.env
         self.targets = tuple(UpstreamTarget.from_url(b.name, b.upstream) for b in settings.backends)
-        self.backend_inflight = [0] * len(self.targets)
         self.backend_metrics = tuple(metrics.backends[t.name] for t in self.targets)
         self.expected_authorization = b"Bearer " + env.token.encode() if env.token else None
         self.proxy_timeout_s = float(env.proxy_timeout_seconds)
@@ -519,7 +518,7 @@ class ProxyApp:
                     running=int(sample.running or 0) if sample else 0,
                     waiting=int(sample.waiting or 0) if sample else 0,
                     kv_usage=float(sample.kv_usage or 0.0) if sample else 0.0,
-                    inflight=self.backend_inflight[index],
+                    inflight=int(self.backend_metrics[index].inflight.value),
                 )
             )
         interval = self.settings.env.dynamic_poll_interval_ms / 1000
@@ -598,7 +597,6 @@ class ProxyApp:
                 output_tokens=output_tokens,
             ),
         )
-        self.backend_inflight[index] += 1
         backend = self.backend_metrics[index]
         backend.inflight.inc()
         backend.accepted.inc()
@@ -644,7 +642,6 @@ class ProxyApp:
             self.metrics.client_disconnect_upstream_cancellations.inc()
             raise
         finally:
-            self.backend_inflight[index] -= 1
             backend.inflight.dec()
             backend.completed.inc()
             self.metrics.proxy_total_duration.observe(trio.current_time() - proxy_started)
