@@ -46,7 +46,7 @@ from guard_adapters.status_line import (
 from guard_core import histogram as latency
 from guard_core.composition import CapComponents
 from guard_core.decision import PublishedDecision
-from guard_core.evaluation import BackendPoll, Snapshot
+from guard_core.evaluation import SEMANTIC_TTFT_BUCKETS, BackendPoll, Snapshot
 from guard_core.gate import MAX_SHORT_WAIT_S, current_limit
 from guard_core.guard import GuardState
 from guard_core.lanes import Lane, Thresholds
@@ -73,23 +73,8 @@ __all__ = (
 
 #: The ``Content-Type`` of the page, as PIG sends it.
 CONTENT_TYPE: Final = "text/plain; version=0.0.4"
-#: Buckets of every duration histogram (seconds).
-DURATION_BUCKETS_S: Final = (
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.0,
-    5.0,
-    10.0,
-    20.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-    1800.0,
-)
+#: Buckets of every duration histogram (seconds): PIG uses one list for all of them.
+DURATION_BUCKETS_S: Final = SEMANTIC_TTFT_BUCKETS
 #: Buckets of ``pig_backend_priority_rewrite_duration_seconds``.
 PRIORITY_REWRITE_BUCKETS_S: Final = (
     0.0005,
