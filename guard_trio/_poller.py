@@ -31,6 +31,9 @@ POLL_TIMEOUT_S = 2.0
 class MetricsSource:
     name: str
     url: str
+    #: Also checked each round when set: a non-200 answer fails the backend for that round (a
+    #: server whose engine died may keep serving /metrics).
+    health_url: str | None = None
 
 
 @attrs.frozen
@@ -62,6 +65,10 @@ class Poller:
         self, source: MetricsSource, results: dict[str, tuple[str | None, str]]
     ) -> None:
         try:
+            if source.health_url is not None:
+                health = await fetch(source.health_url, timeout_s=POLL_TIMEOUT_S, max_bytes=65536)
+                if health.status != 200:
+                    raise GuardError(f"health check status {health.status}")
             response = await fetch(source.url, timeout_s=POLL_TIMEOUT_S, max_bytes=MAX_PAGE_BYTES)
             if response.status != 200:
                 raise GuardError(f"status {response.status}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import h11
 import trio
@@ -72,13 +73,15 @@ class GuardServer:
             metrics_content_type=CONTENT_TYPE.encode(),
         )
         self.header_timeout_s = header_timeout_s
-        sources = tuple(
-            MetricsSource(name=f"backend{i}" if not settings.backend_routing else name, url=url)
-            for i, (name, url) in enumerate(
-                ((b.name, b.metrics_url) for b in settings.backends if b.metrics_url), start=1
+        if settings.backend_routing:
+            # Several backends: each is polled under its own name, and its /health too, so that
+            # a backend whose engine died stops being chosen even if its /metrics still answers.
+            sources = tuple(
+                MetricsSource(name=b.name, url=b.metrics_url, health_url=_health_url(b.upstream))
+                for b in settings.backends
+                if b.metrics_url
             )
-        )
-        if not settings.backend_routing:
+        else:
             sources = tuple(
                 MetricsSource(name=f"metrics{i}", url=url)
                 for i, url in enumerate(settings.metrics_urls, start=1)
@@ -217,3 +220,9 @@ class GuardServer:
 
     async def aclose(self) -> None:
         await self.pool.aclose()
+
+
+def _health_url(upstream: str) -> str:
+    """The engine's health route: ``/health`` at the root of the backend's host (vLLM, SGLang)."""
+    parts = urlsplit(upstream)
+    return f"{parts.scheme}://{parts.netloc}/health"

@@ -304,11 +304,6 @@ async def test_requests_spread_over_two_backends_and_avoid_one_that_died(
         assert finished(backend_a) == done_a
 
 
-@pytest.mark.xfail(
-    reason="a dead engine whose /metrics still answers (running 0) scores as the idlest "
-    "backend, so the guard keeps choosing it and every request gets its 500",
-    strict=True,
-)
 async def test_a_dead_engine_whose_metrics_still_answer_is_avoided(
     start_sim: Any, start_guard: Any, http: Any, until: Any
 ) -> None:
