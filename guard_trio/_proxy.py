@@ -4,7 +4,8 @@ Reads: the request head and body from :class:`~guard_trio._downstream.Downstream
 the guard engine's decisions, and the backends' responses.
 Guarantees:
 - routing order: ``/healthz``, ``/pig/metrics``, ``/v1/metrics``, ``/v1/upstream-status``,
-  ``/v1/attestation/report``, generation-route auth, then QoS for POST to an admitted path and
+  ``/v1/attestation/report`` (auth, GET only, then the attestation handler, which fails
+  closed), generation-route auth, then QoS for POST to an admitted path and
   plain forwarding for everything else;
 - exactly one response per request, or none when the client already left; a slot taken for a
   request is released exactly once on every path (success, error, timeout, cancellation);
@@ -60,6 +61,7 @@ from guard_core.lanes import (
     output_lane,
 )
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
+from guard_trio._attestation import AttestationHandler
 from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
 from guard_trio._engine import AdmissionResult, GuardEngine, Slot
 from guard_trio._http import fetch
@@ -157,6 +159,7 @@ class ProxyApp:
         self.api_auth_enabled: bool = env.api_auth_enabled
         self.classify_errors: bool = env.upstream_error_classification_enabled
         self.attestation_enabled: bool = env.attestation_enabled
+        self.attestation = AttestationHandler(settings)
         self.sse_keepalive: bool = env.sse_keepalive_enabled
         self.injection = InjectionPolicy(
             enabled=settings.priority_enabled,
@@ -218,7 +221,7 @@ class ProxyApp:
 
     async def handle(self, down: Downstream, request: h11.Request) -> None:
         target = request.target.decode("latin-1")
-        raw_path, _, _query = target.partition("?")
+        raw_path, _, query = target.partition("?")
         if "://" in raw_path:  # absolute-form
             raw_path = "/" + raw_path.split("://", 1)[1].partition("/")[2]
         path = unquote(raw_path)
@@ -254,8 +257,10 @@ class ProxyApp:
             elif not self.attestation_enabled:
                 await down.respond(404, [_TEXT], b"404 page not found\n")
             else:
-                body = b'{"error":"attestation evidence unavailable"}\n'
-                await down.respond(503, [_JSON], body)
+                status, report_headers, body = await self.attestation.report(
+                    method=method, query=query
+                )
+                await down.respond(status, report_headers, body)
             return
         admitted_path = method == b"POST" and self.settings.paths.matches(path)
         if (
