@@ -96,3 +96,10 @@ def simulate(session: nox.Session) -> None:
         "guard",
     ]
     session.run("inference-guard", "simulate", *args)
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The one-minute demonstration: simulated backend, guard and load; ``-- --quick`` for 12 s."""
+    session.install("-e", ".")
+    session.run("inference-guard", "demo", *session.posargs)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from guard_trio import (
     __version__,
+    _demo_cli,
     _record,
     _replay_cli,
     _serve_cli,
@@ -33,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     _record.add_parser(subparsers)
     _sim_backend_cli.add_parser(subparsers)
     _simulate_cli.add_parser(subparsers)
+    _demo_cli.add_parser(subparsers)
     return parser
 
 
