@@ -21,13 +21,11 @@ Guarantees:
 from __future__ import annotations
 
 import os
-import ssl
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-import h11
 import trio
 
 from guard_adapters.attestation import (
@@ -67,6 +65,7 @@ from guard_adapters.nvml import (
     url_reply_payload,
     url_with_nonce,
 )
+from guard_trio._http import FetchError, exchange, open_stream
 
 __all__ = ("AttestationHandler",)
 
@@ -74,63 +73,9 @@ Headers = list[tuple[bytes, bytes]]
 
 _JSON: Final = (b"content-type", b"application/json")
 _TEXT: Final = (b"content-type", b"text/plain; charset=utf-8")
-_READ_SIZE: Final = 65536
 _DSTACK_MAX_BYTES: Final = 16 * 1024 * 1024
 _URL_MAX_BYTES: Final = 32 * 1024 * 1024
 _STDERR_SHOWN: Final = 400
-
-
-class _TransportError(Exception):
-    """A connection or HTTP framing problem; the message names it."""
-
-
-async def _exchange(
-    stream: trio.abc.Stream,
-    *,
-    method: bytes,
-    target: str,
-    headers: Sequence[tuple[bytes, bytes]],
-    body: bytes,
-    max_bytes: int,
-) -> tuple[int, bytes]:
-    """Send one request and read its whole response (the connection is not reused)."""
-    connection = h11.Connection(h11.CLIENT)
-    try:
-        data = connection.send(h11.Request(method=method, target=target, headers=list(headers)))
-        if body:
-            data = (data or b"") + (connection.send(h11.Data(data=body)) or b"")
-        data = (data or b"") + (connection.send(h11.EndOfMessage()) or b"")
-        await stream.send_all(data)
-        status: int | None = None
-        received = bytearray()
-        while True:
-            event = connection.next_event()
-            if event is h11.NEED_DATA:
-                connection.receive_data(bytes(await stream.receive_some(_READ_SIZE)))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                received += event.data
-                if len(received) > max_bytes:
-                    raise _TransportError(f"reply longer than {max_bytes} bytes")
-            elif isinstance(event, h11.EndOfMessage) and status is not None:
-                return status, bytes(received)
-            elif isinstance(event, h11.ConnectionClosed):
-                raise _TransportError("connection closed before a complete reply")
-    except h11.ProtocolError as exc:
-        raise _TransportError(f"bad HTTP reply: {exc}") from None
-    except (trio.BrokenResourceError, OSError) as exc:
-        raise _TransportError(f"connection failed: {exc}") from None
-
-
-async def _open_tcp(host: str, port: int, secure: bool) -> trio.abc.Stream:
-    try:
-        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
-    except OSError as exc:
-        raise _TransportError(f"connect to {host}:{port} failed: {exc.strerror or exc}") from None
-    if secure:
-        stream = trio.SSLStream(stream, ssl.create_default_context(), server_hostname=host)
-    return stream
 
 
 class AttestationHandler:
@@ -236,19 +181,19 @@ class AttestationHandler:
     async def _dstack(self, request: DstackRequest) -> tuple[int, bytes]:
         endpoint = self._endpoint
         if endpoint is None:
-            raise _TransportError(self._endpoint_problem)
+            raise FetchError(self._endpoint_problem)
         with trio.move_on_after(self._dstack_timeout_s) as scope:
             if endpoint.socket_path is not None:
                 try:
                     stream: trio.abc.Stream = await trio.open_unix_socket(endpoint.socket_path)
                 except OSError as exc:
-                    raise _TransportError(
+                    raise FetchError(
                         f"connect to {endpoint.describe()} failed: {exc.strerror or exc}"
                     ) from None
             else:
-                stream = await _open_tcp(endpoint.host, endpoint.port, endpoint.secure)
+                stream = await open_stream(endpoint.host, endpoint.port, secure=endpoint.secure)
             async with stream:
-                return await _exchange(
+                response = await exchange(
                     stream,
                     method=request.method,
                     target=request.target,
@@ -256,10 +201,9 @@ class AttestationHandler:
                     body=request.body,
                     max_bytes=_DSTACK_MAX_BYTES,
                 )
+                return response.status, response.body
         assert scope.cancelled_caught
-        raise _TransportError(
-            f"no reply from {endpoint.describe()} within {self._dstack_timeout_s:g} s"
-        )
+        raise FetchError(f"no reply from {endpoint.describe()} within {self._dstack_timeout_s:g} s")
 
     async def _quote(self, data: bytes) -> Quote | Failure:
         if self._endpoint is None:
@@ -267,7 +211,7 @@ class AttestationHandler:
         try:
             status, body = await self._dstack(quote_request(self._endpoint, data))
             return parse_quote(status, body, data)
-        except (_TransportError, DstackError) as exc:
+        except (FetchError, DstackError) as exc:
             return Failure(500, f"get dstack quote: {exc}")
 
     async def _info(self) -> dict[str, Any] | Failure:
@@ -276,7 +220,7 @@ class AttestationHandler:
         try:
             status, body = await self._dstack(info_request(self._endpoint))
             return parse_info(status, body)
-        except (_TransportError, DstackError) as exc:
+        except (FetchError, DstackError) as exc:
             return Failure(500, f"get dstack info: {exc}")
 
     # -- NVIDIA evidence
@@ -360,17 +304,17 @@ class AttestationHandler:
             headers.append((b"Authorization", self._payload_authorization.encode()))
         with trio.move_on_after(self._fallback_timeout_s) as scope:
             try:
-                stream = await _open_tcp(parts.hostname, port, secure)
+                stream = await open_stream(parts.hostname, port, secure=secure)
                 async with stream:
-                    status, body = await _exchange(
+                    response = await exchange(
                         stream,
                         method=b"GET",
                         target=target,
                         headers=headers,
-                        body=b"",
                         max_bytes=_URL_MAX_BYTES,
                     )
-            except _TransportError as exc:
+                status, body = response.status, response.body
+            except FetchError as exc:
                 raise NvidiaEvidenceError(f"NVIDIA payload URL: {exc}") from None
         if scope.cancelled_caught:
             raise NvidiaEvidenceError(
