@@ -108,17 +108,16 @@ class Recorder:
     def poll(self, report: PollReport) -> None:
         poll = self._poll
         self._poll += 1
-        for name, text, error in report.pages:
-            if text is None:
+        for (name, text, error), parsed in zip(report.pages, report.polls, strict=True):
+            if text is None or parsed.sample is None:
                 self._add(ScrapeFailed(at=report.at, poll=poll, backend=name, error=error))
             else:
-                flavour = "sglang" if "sglang:" in text and "vllm:" not in text else "vllm"
                 self._add(
                     Scrape(
                         at=report.at,
                         poll=poll,
                         backend=name,
-                        flavour=flavour,
+                        flavour=str(parsed.sample.flavour),  # as the parser saw the page
                         text=learner_text(text, LEARNER_FAMILIES),
                     )
                 )
