@@ -193,6 +193,13 @@ class Environment:
     pig_retry_after_seconds: int = 1
     pig_drain_seconds: float = 30.0
     pig_record_path: str = ""
+    # -- inference-guard's hardening limits (docs/hardening.md)
+    pig_header_timeout_seconds: float = 10.0
+    pig_max_body_bytes: int = 8 * 1024 * 1024
+    pig_body_idle_timeout_seconds: float = 10.0
+    pig_body_timeout_seconds: float = 60.0
+    pig_upstream_head_timeout_seconds: float = 600.0
+    pig_upstream_idle_timeout_seconds: float = 300.0
     # -- spec 2.2: OpenAI compatibility, auth, upstream errors
     api_auth_enabled: bool = attrs.field(
         default=attrs.Factory(lambda env: bool(env.token), takes_self=True)
@@ -1119,6 +1126,12 @@ def _problems(env: Environment) -> list[_Problem]:
         c.above(f.pig_queue_poll_ms, 0)
     c.at_least(f.pig_retry_after_seconds, 0)
     c.at_least(f.pig_drain_seconds, 0)
+    c.above(f.pig_header_timeout_seconds, 0)
+    c.above(f.pig_max_body_bytes, 0)
+    c.above(f.pig_body_idle_timeout_seconds, 0)
+    c.above(f.pig_body_timeout_seconds, 0)
+    c.at_least(f.pig_upstream_head_timeout_seconds, 0)
+    c.at_least(f.pig_upstream_idle_timeout_seconds, 0)
     _feature_problems(c)
     _dynamic_problems(c)
     return c.found
