@@ -5,10 +5,23 @@ Guarantees:
 - a request head larger than 16 KiB or with more than 100 header lines is refused with 431,
   a head that does not arrive within ``header_timeout_s`` with 408, a request carrying both
   Content-Length and Transfer-Encoding with 400, and any other malformed head with h11's status
-  hint; the connection is closed after each of these;
+  hint; so are, with 400, what h11 accepts but a proxy must not pass on: an HTTP version other
+  than 1.0 and 1.1, Transfer-Encoding on HTTP/1.0, CONNECT or any target that is not
+  origin-form (``/...``), an ``Upgrade`` header, and a header name with underscores that aliases
+  a framing, hop-by-hop or guard header (``Content_Length``, ``X_PIG_Tier``); the connection is
+  closed after each of these;
 - a client that goes away is noticed both while we write (:class:`ClientGone`) and, through
   :meth:`Downstream.watch_for_disconnect`, while we wait for admission or for the backend;
-- bytes a client pipelines behind its request are kept for the next request, not lost.
+- bytes a client pipelines behind its request are kept for the next request, not lost (at
+  most 64 KiB are read ahead while a request is in flight);
+- request bodies are read only through :meth:`Downstream.body_event`, under
+  :class:`BodyLimits`: a declared length over the cap is refused before any body byte is read
+  (:meth:`Downstream.begin_body`), a body that grows past the cap, stalls longer than the idle
+  timeout or outlasts the total deadline raises :class:`BodyRefused` (413, 408), and
+  ``100 Continue`` goes out only when a body is actually wanted;
+- a final response sent while the request body is still unread carries ``Connection: close``,
+  and the connection is closed after it (the unread bytes are drained, bounded, and never
+  parsed as a request).
 """
 
 from __future__ import annotations
@@ -22,8 +35,11 @@ import trio
 from guard_core import GuardError
 
 __all__ = (
+    "EARLY_DRAIN_BYTES",
     "MAX_HEADERS",
     "MAX_HEADER_BYTES",
+    "BodyLimits",
+    "BodyRefused",
     "ClientGone",
     "Downstream",
     "RefusedRequest",
@@ -33,6 +49,15 @@ __all__ = (
 MAX_HEADER_BYTES = 16 * 1024
 MAX_HEADERS = 100
 _READ_SIZE = 65536
+#: An unwanted body at most this long (declared) is read and dropped, keeping the connection;
+#: a longer, chunked or ``100-continue`` one is left unread and the connection closes instead.
+EARLY_DRAIN_BYTES = 64 * 1024
+#: While a request is in flight, stop reading ahead once this much of the next one is buffered.
+_MAX_READ_AHEAD = 64 * 1024
+#: Before closing a connection whose body was left unread: how long and how much to drain, so
+#: that the client reads our response before the close resets the connection.
+_LINGER_S = 1.0
+_LINGER_BYTES = 256 * 1024
 
 
 class ClientGone(GuardError):
@@ -51,12 +76,40 @@ class RefusedRequest(Exception):
     reason: str
 
 
+@attrs.frozen
+class BodyRefused(Exception):
+    """The request body broke a limit (413 too large, 408 too slow, 400 bad framing): answer
+    ``status`` if a response can still be sent, then close."""
+
+    status: int
+    reason: str
+
+
+@attrs.frozen
+class BodyLimits:
+    """``PIG_MAX_BODY_BYTES``, ``PIG_BODY_IDLE_TIMEOUT_SECONDS``, ``PIG_BODY_TIMEOUT_SECONDS``."""
+
+    max_bytes: int = 8 * 1024 * 1024
+    #: The longest wait for the next body bytes.
+    idle_timeout_s: float = 10.0
+    #: The whole body must arrive within this, counted from the first read of it.
+    total_timeout_s: float = 60.0
+
+
 class Downstream:
-    def __init__(self, stream: trio.abc.Stream, peer: str) -> None:
+    def __init__(
+        self, stream: trio.abc.Stream, peer: str, limits: BodyLimits | None = None
+    ) -> None:
         self.stream = stream
         self.peer = peer
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
         self.gone = False
+        self.limits = limits or BodyLimits()
+        #: The connection closes after the current response (which says ``Connection: close``).
+        self.closing = False
+        self._declared: int | None = 0
+        self._body_read = 0
+        self._body_deadline: float | None = None
 
     async def _receive(self) -> None:
         try:
@@ -81,6 +134,8 @@ class Downstream:
             with trio.fail_after(header_timeout_s):
                 event = await self.next_event()
         except trio.TooSlowError:
+            if not self.h11.trailing_data[0]:
+                return None  # an idle keep-alive connection: close it without a response
             raise RefusedRequest(408, "request head timed out") from None
         except h11.RemoteProtocolError as exc:
             raise RefusedRequest(exc.error_status_hint, str(exc)) from None
@@ -91,14 +146,83 @@ class Downstream:
         headers = event.headers
         if len(headers) > MAX_HEADERS:
             raise RefusedRequest(431, "too many header lines")
-        if sum(len(name) + len(value) + 4 for name, value in headers) > MAX_HEADER_BYTES:
+        line = len(event.method) + len(event.target) + 12
+        if line + sum(len(name) + len(value) + 4 for name, value in headers) > MAX_HEADER_BYTES:
             raise RefusedRequest(431, "request head too large")
         names = {name for name, _ in headers}
         if b"content-length" in names and b"transfer-encoding" in names:
             raise RefusedRequest(400, "both Content-Length and Transfer-Encoding")
+        if event.http_version not in (b"1.0", b"1.1"):
+            raise RefusedRequest(400, "unsupported HTTP version")
+        if event.http_version == b"1.0" and b"transfer-encoding" in names:
+            raise RefusedRequest(400, "Transfer-Encoding on HTTP/1.0")
+        if event.method == b"CONNECT" or not event.target.startswith(b"/"):
+            # Absolute-form, authority-form and asterisk-form: the guard is no forward proxy,
+            # and a target's own host must never choose where a request goes.
+            raise RefusedRequest(400, "request target is not origin-form")
+        if b"upgrade" in names:
+            raise RefusedRequest(400, "protocol upgrades are not proxied")
+        for name in names:
+            if b"_" in name and _is_sensitive(name.replace(b"_", b"-")):
+                raise RefusedRequest(400, "underscore alias of a header the guard controls")
         return event
 
+    def begin_body(self, request: h11.Request) -> None:
+        """Start the body accounting of ``request``; a declared length over the cap is refused
+        here, before any byte of the body is read (:class:`BodyRefused` 413)."""
+        self._declared = _declared_length(list(request.headers))
+        self._body_read = 0
+        self._body_deadline = None
+        if self._declared is not None and self._declared > self.limits.max_bytes:
+            raise BodyRefused(413, "declared body length over the cap")
+
+    async def body_event(self) -> h11.Event:
+        """The next event of the request body (``Data``, ``EndOfMessage`` or
+        ``ConnectionClosed``) under the body limits; a client waiting for ``100 Continue`` gets
+        it first, since the caller wants the body."""
+        if self.h11.they_are_waiting_for_100_continue:
+            await self.send(
+                h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+            )
+        now = trio.current_time()
+        if self._body_deadline is None:
+            self._body_deadline = now + self.limits.total_timeout_s
+        wait = min(self.limits.idle_timeout_s, self._body_deadline - now)
+        try:
+            with trio.fail_after(max(wait, 0.0)):
+                event = await self.next_event()
+        except trio.TooSlowError:
+            raise BodyRefused(408, "request body timed out") from None
+        except h11.RemoteProtocolError as exc:
+            raise BodyRefused(exc.error_status_hint, f"bad request body: {exc}") from None
+        if isinstance(event, h11.Data):
+            self._body_read += len(event.data)
+            if self._body_read > self.limits.max_bytes:
+                raise BodyRefused(413, "request body over the cap")
+        return event
+
+    async def skip_body(self) -> None:
+        """The body is not wanted: read and drop it when it is short (declared at most
+        :data:`EARLY_DRAIN_BYTES`, and no ``100 Continue`` awaited); otherwise leave it unread
+        and close the connection after the response."""
+        if self.h11.their_state is not h11.SEND_BODY:
+            return
+        declared = self._declared
+        if (
+            self.h11.they_are_waiting_for_100_continue
+            or declared is None
+            or declared - self._body_read > EARLY_DRAIN_BYTES
+        ):
+            self.closing = True
+            return
+        while not isinstance(await self.body_event(), h11.EndOfMessage | h11.ConnectionClosed):
+            pass
+
     async def send(self, *events: h11.Event) -> None:
+        if self.closing or self.h11.their_state is h11.SEND_BODY:
+            # An early response: the unread body would be parsed as the next request.
+            self.closing = True
+            events = tuple(_with_close(event) for event in events)
         data = b"".join(self.h11.send(event) or b"" for event in events)
         if not data:
             return
@@ -122,9 +246,25 @@ class Downstream:
         events.append(h11.EndOfMessage())
         await self.send(*events)
 
+    def frame(self, *events: h11.Event) -> bytes:
+        """The bytes h11 would send for ``events`` (its state advances): for a caller that
+        joins them with raw body bytes in one :meth:`send_raw`."""
+        return b"".join(self.h11.send(event) or b"" for event in events)
+
+    async def send_raw(self, data: bytes) -> None:
+        """Bytes already framed for the response in progress (the relay's fast path)."""
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            self.gone = True
+            self.h11.send_failed()
+            raise ClientGone("client went away") from None
+
     async def watch_for_disconnect(self, scope: trio.CancelScope) -> None:
         """Read while nothing else does; cancel ``scope`` when the client closes."""
         while not self.gone:
+            if len(self.h11.trailing_data[0]) > _MAX_READ_AHEAD:
+                await trio.sleep_forever()  # far enough ahead: the rest waits in the socket
             await self._receive()
         scope.cancel()
 
@@ -133,9 +273,55 @@ class Downstream:
         return not self.gone and self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE)
 
     async def close(self) -> None:
+        if not self.gone and self.h11.their_state in (h11.SEND_BODY, h11.ERROR):
+            await self._linger()
         with trio.move_on_after(0.5) as scope:
             scope.shield = True
             await trio.aclose_forcefully(self.stream)
+
+    async def _linger(self) -> None:
+        """Half-close, then drop what the client still sends (bounded), so that closing with
+        unread bytes does not reset the connection before the client has read our response."""
+        with trio.move_on_after(_LINGER_S):
+            try:
+                if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                    await self.stream.send_eof()
+                drained = 0
+                while drained < _LINGER_BYTES:
+                    data = await self.stream.receive_some(_READ_SIZE)
+                    if not data:
+                        return
+                    drained += len(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The body length a head announces: None for a chunked body, 0 when there is none."""
+    length = 0
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length":
+            try:
+                length = int(value)
+            except ValueError:
+                return None
+    return length
+
+
+def _with_close(event: h11.Event) -> h11.Event:
+    if not isinstance(event, h11.Response):
+        return event
+    if any(n == b"connection" and v.lower() == b"close" for n, v in event.headers):
+        return event
+    kept = [(n, v) for n, v in event.headers if n != b"connection"]
+    return h11.Response(
+        status_code=event.status_code,
+        headers=[*kept, (b"connection", b"close")],
+        reason=event.reason,
+        http_version=event.http_version,
+    )
 
 
 def _reason(status: int) -> bytes:
@@ -143,3 +329,26 @@ def _reason(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode()
     except ValueError:
         return b""
+
+
+#: Headers whose meaning the guard controls: a backend that folds ``_`` into ``-`` (CGI-style
+#: servers) must never find a client's copy of one under an underscore alias.
+_SENSITIVE = frozenset(
+    {
+        b"content-length",
+        b"transfer-encoding",
+        b"host",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"x-forwarded-for",
+        b"x-user-tier",
+    }
+)
+
+
+def _is_sensitive(name: bytes) -> bool:
+    return name in _SENSITIVE or name.startswith(b"x-pig-")

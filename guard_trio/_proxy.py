@@ -6,7 +6,16 @@ Guarantees:
 - routing order: ``/healthz``, ``/pig/metrics``, ``/v1/metrics``, ``/v1/upstream-status``,
   ``/v1/attestation/report`` (auth, GET only, then the attestation handler, which fails
   closed), generation-route auth, then QoS for POST to an admitted path and
-  plain forwarding for everything else;
+  plain forwarding for everything else (only to ``PIG_FORWARD_PATHS`` when that is set);
+- every check sees the path the backend gets: routing uses the percent-decoded path, and a
+  target a backend could read as another path (dot or empty segments, ``;``, ``#``, ``\\``,
+  ``%`` left after decoding, bytes outside printable ASCII, a case or trailing-slash variant of
+  a known route) is answered 404 before any check or backend sees it; the target is forwarded
+  as received;
+- the token check compares SHA-256 digests in constant time (no length leak, no error on
+  non-ASCII bytes);
+- a request the gate would refuse at once (no wait possible) is refused before its body is
+  read or parsed, with ``Connection: close`` when body bytes remain unread;
 - exactly one response per request, or none when the client already left; a slot taken for a
   request is released exactly once on every path (success, error, timeout, cancellation);
 - refusals, upstream failures before the response head and internal errors all answer PIG's
@@ -22,7 +31,10 @@ Guarantees:
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import math
+import re
 from collections.abc import Callable
 from functools import partial
 from urllib.parse import unquote
@@ -31,6 +43,7 @@ import h11
 import trio
 
 from guard_adapters._errors import BodyRewriteError
+from guard_adapters.chunked import ChunkedBodyReader, ChunkedFramingError, frame
 from guard_adapters.config import Settings
 from guard_adapters.openai_body import (
     InjectionPolicy,
@@ -47,7 +60,10 @@ from guard_core import (
     Lane,
     LoadState,
     RejectCode,
+    Rejected,
+    SlotRequested,
     Tier,
+    apply_guard_event,
     body_lane,
     tier_from_header_values,
     upstream_status_digit,
@@ -73,6 +89,10 @@ __all__ = ("TOO_MANY_REQUESTS_BODY", "ProxyApp")
 TOO_MANY_REQUESTS_BODY = (
     b'{"error":{"message":"Too many requests","type":"TooManyRequestsError",'
     b'"param":null,"code":429}}\n'
+)
+GATEWAY_TIMEOUT_BODY = (
+    b'{"error":{"message":"The backend did not answer in time","type":"GatewayTimeoutError",'
+    b'"param":null,"code":504}}\n'
 )
 UNAUTHORIZED_JSON = (
     b'{"error":{"message":"Invalid or missing Authorization header","type":"AuthenticationError",'
@@ -127,6 +147,41 @@ def _header_values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[byte
     return [value for key, value in headers if key == name]
 
 
+NOT_FOUND = b"404 page not found\n"
+#: The routes the guard answers itself (their case and trailing-slash variants are refused).
+_OWN_ROUTES = ("/healthz", "/pig/metrics", "/v1/metrics", "/v1/upstream-status")
+_ATTESTATION_ROUTE = "/v1/attestation/report"
+#: In the raw path: anything but printable ASCII, a fragment, a backslash or an encoded slash.
+_UNSAFE_RAW = re.compile(rb"[^\x21-\x7e]|[#\\]|%2[fF]")
+#: In the decoded path: the same, plus what some backend would split, strip or decode again.
+_UNSAFE_DECODED = re.compile(r"[^\x21-\x7e]|[#\\;?%]|//|/\.\.?(?:/|$)")
+
+
+def _route_path(target: bytes) -> str | None:
+    """The decoded path the guard routes on, or None when a backend could read ``target`` as
+    another path than the guard would (see the module header). Only origin-form targets are
+    served (:mod:`guard_trio._downstream` refuses the other forms first)."""
+    if not target.startswith(b"/"):
+        return None
+    raw_path = target.partition(b"?")[0]
+    if _UNSAFE_RAW.search(raw_path):
+        return None
+    path = raw_path.decode("ascii")
+    if "%" in path:
+        try:
+            path = unquote(path, errors="strict")
+        except UnicodeDecodeError:
+            return None
+    if _UNSAFE_DECODED.search(path):
+        return None
+    return path
+
+
+def _route_key(path: str) -> str:
+    """What a lenient backend might treat as the same route: case and trailing slashes."""
+    return path.rstrip("/").lower() or "/"
+
+
 class ProxyApp:
     """Everything one request needs, shared by all connections."""
 
@@ -151,6 +206,27 @@ class ProxyApp:
         self.targets = tuple(UpstreamTarget.from_url(b.name, b.upstream) for b in settings.backends)
         self.backend_metrics = tuple(metrics.backends[t.name] for t in self.targets)
         self.expected_authorization = b"Bearer " + env.token.encode() if env.token else None
+        self.expected_digest = (
+            hashlib.sha256(self.expected_authorization).digest()
+            if self.expected_authorization is not None
+            else None
+        )
+        #: ``PIG_FORWARD_PATHS``: None forwards every path (PIG).
+        self.forward_paths = frozenset(env.pig_forward_paths) or None
+        known = (
+            *_OWN_ROUTES,
+            _ATTESTATION_ROUTE,
+            *settings.paths.paths,
+            *settings.auth_paths.paths,
+            *env.pig_forward_paths,
+        )
+        self.known_routes = frozenset(known)
+        self.known_keys = frozenset(_route_key(route) for route in known)
+        self.suffix_keys = (
+            tuple({_route_key(r) for r in (*settings.paths.paths, *settings.auth_paths.paths)})
+            if settings.paths.suffix_match
+            else ()
+        )
         self.proxy_timeout_s = float(env.proxy_timeout_seconds)
         self.retry_after = (
             str(env.pig_retry_after_seconds).encode() if env.pig_retry_after_seconds > 0 else None
@@ -185,6 +261,8 @@ class ProxyApp:
         self.adaptive = AdaptiveOutputState()
         self.output_thresholds = settings.lane_thresholds.output
         self.sse_early_bridge: bool = env.sse_early_bridge_enabled
+        self.upstream_head_timeout_s = _budget(env.pig_upstream_head_timeout_seconds)
+        self.upstream_idle_timeout_s = _budget(env.pig_upstream_idle_timeout_seconds)
 
     # -- small responses -----------------------------------------------------------------------
 
@@ -195,12 +273,28 @@ class ProxyApp:
         await down.respond(429, headers, TOO_MANY_REQUESTS_BODY)
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        """Exactly one Authorization header, equal in constant time to ``Bearer <TOKEN>``."""
-        expected = self.expected_authorization
+        """Exactly one Authorization header, equal in constant time to ``Bearer <TOKEN>``.
+
+        Digests are compared, so neither the token's length nor its bytes (any byte at all)
+        change how the comparison runs.
+        """
+        expected = self.expected_digest
         values = _header_values(headers, b"authorization")
         if expected is None or len(values) != 1:
             return False
-        return hmac.compare_digest(values[0], expected)
+        return hmac.compare_digest(hashlib.sha256(values[0]).digest(), expected)
+
+    def lookalike(self, path: str) -> bool:
+        """A case or trailing-slash variant of a route the guard knows, which a lenient backend
+        could serve as that route while the guard's checks would not apply."""
+        if path in self.known_routes:
+            return False
+        key = _route_key(path)
+        if key in self.known_keys:
+            return True
+        if self.suffix_keys and any(key.endswith(k) for k in self.suffix_keys):
+            return not (self.settings.paths.matches(path) or self.api_auth_paths.matches(path))
+        return False
 
     def low_load(self) -> bool:
         """PIG's gate for SSE keep-alive and the early bridge: quiet backend, empty queue."""
@@ -220,12 +314,20 @@ class ProxyApp:
     # -- routing -------------------------------------------------------------------------------
 
     async def handle(self, down: Downstream, request: h11.Request) -> None:
-        target = request.target.decode("latin-1")
-        raw_path, _, query = target.partition("?")
-        if "://" in raw_path:  # absolute-form
-            raw_path = "/" + raw_path.split("://", 1)[1].partition("/")[2]
-        path = unquote(raw_path)
+        path = _route_path(request.target)
+        if path is None or self.lookalike(path):
+            # Refused before any check: no backend may read this target as another path.
+            await self.discard_body(down)
+            await down.respond(404, [_TEXT], NOT_FOUND)
+            return
+        query = request.target.partition(b"?")[2].decode("latin-1")
         headers = list(request.headers)
+        if not _header_values(headers, b"content-length") and not _header_values(
+            headers, b"transfer-encoding"
+        ):
+            # No framing header means no body (RFC 9112 6.3): the backend is told so with a
+            # zero Content-Length rather than an empty body re-framed as chunked.
+            headers.append((b"content-length", b"0"))
         method = request.method
         if path == "/healthz":
             await self.discard_body(down)
@@ -255,7 +357,7 @@ class ProxyApp:
             elif method != b"GET":
                 await down.respond(405, [_TEXT], b"method not allowed\n")
             elif not self.attestation_enabled:
-                await down.respond(404, [_TEXT], b"404 page not found\n")
+                await down.respond(404, [_TEXT], NOT_FOUND)
             else:
                 status, report_headers, body = await self.attestation.report(
                     method=method, query=query
@@ -278,21 +380,23 @@ class ProxyApp:
             return
         if admitted_path:
             await self.admitted(down, request, headers)
+        elif self.forward_paths is not None and path not in self.forward_paths:
+            await self.discard_body(down)
+            await down.respond(404, [_TEXT], NOT_FOUND)
         else:
             await self.forward(down, request, headers, slot=None, tier=None)
 
     async def discard_body(self, down: Downstream) -> None:
-        while True:
-            event = await down.next_event()
-            if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                return
+        """The body is not needed (an early response follows): a short one is read and dropped,
+        a longer one is left unread and the connection closes after the response."""
+        await down.skip_body()
 
     async def read_body(self, down: Downstream, limit: int) -> tuple[list[bytes], bool]:
         """Read up to ``limit`` bytes of body; returns (chunks, complete)."""
         chunks: list[bytes] = []
         size = 0
         while size <= limit:
-            event = await down.next_event()
+            event = await down.body_event()  # under PIG_MAX_BODY_BYTES and the body timeouts
             if isinstance(event, h11.Data):
                 chunks.append(bytes(event.data))
                 size += len(event.data)
@@ -313,8 +417,17 @@ class ProxyApp:
         lane = body_lane(length, self.body_thresholds)
         self.metrics.lanes[lane].observe_body(length)
         path = request.target.decode("latin-1").partition("?")[0]
+        if self.refused_at_once(tier):
+            # Decided from the head alone: the body is neither read nor parsed for a 429.
+            await self.refuse_early(down, tier, lane, path=path, length=length)
+            return
         body: list[bytes] | None = None
-        if length is not None and length <= _BUFFER_LIMIT:
+        # A client waiting for 100 Continue gets it only once admitted (the body is read then).
+        if (
+            length is not None
+            and length <= _BUFFER_LIMIT
+            and not down.h11.they_are_waiting_for_100_continue
+        ):
             body, _complete = await self.read_body(down, _BUFFER_LIMIT)
         output_tokens = self.output_intent(lane, length, body)
         if output_tokens is not None:
@@ -348,6 +461,30 @@ class ProxyApp:
             self.count_refusal(tier, lane, result.code, waited=result.waited_s > 0)
             await self.discard_remaining(down)
             await self.too_many_requests(down)
+
+    def refused_at_once(self, tier: Tier) -> bool:
+        """The gate would refuse a slot request now, with no wait: a pure peek at the engine's
+        state (nothing is applied)."""
+        engine = self.engine
+        step = apply_guard_event(engine.state, SlotRequested(engine.seconds_since_start(), tier))
+        return isinstance(step.outcome, Rejected)
+
+    async def refuse_early(
+        self, down: Downstream, tier: Tier, lane: Lane, *, path: str, length: int | None
+    ) -> None:
+        """The 429 of :meth:`refused_at_once`, through the engine (recorded and counted as any
+        refusal); a short body is dropped, a longer one left unread and the connection closed."""
+        started = trio.current_time()
+        # Nothing awaited since the peek: the same state gives the same immediate refusal.
+        result = await self.engine.admit(tier, path=path, body_bytes=length)
+        if result.slot is not None:  # pragma: no cover - the reducer is deterministic
+            result.slot.release(0)
+        self.count_decision(result, started)
+        self.count_refusal(
+            tier, lane, result.code or RejectCode.GLOBAL_DYNAMIC_LIMIT, waited=False
+        )
+        await self.discard_remaining(down)
+        await self.too_many_requests(down)
 
     def count_decision(self, result: AdmissionResult, started: float) -> None:
         metrics = self.metrics
@@ -628,7 +765,7 @@ class ProxyApp:
                             await up.send(upstream_request)
                             await self.send_body(down, up, body, rewriter)
                             status = await self.relay_response(
-                                down, up, slot, proxy_started, bridge=bridge
+                                down, up, slot, proxy_started, method=request.method, bridge=bridge
                             )
                         break
                     except UpstreamError:
@@ -668,7 +805,7 @@ class ProxyApp:
             return
         try:
             while True:
-                event = await down.next_event()
+                event = await down.body_event()
                 if isinstance(event, h11.Data):
                     data = bytes(event.data) if rewriter is None else rewriter.feed(event.data)
                     if data:
@@ -708,21 +845,29 @@ class ProxyApp:
         slot: Slot | None,
         started: float,
         *,
+        method: bytes = b"POST",
         bridge: bool = False,
     ) -> int:
         """Copy the upstream response to the client; returns the status sent.
 
         With ``bridge`` (spec 8.4), a backend that has not answered its head within
-        :data:`BRIDGE_GRACE_S` gets the client a 200 event stream at once.
+        :data:`BRIDGE_GRACE_S` gets the client a 200 event stream at once. A backend silent for
+        ``PIG_UPSTREAM_HEAD_TIMEOUT_SECONDS`` before its head gets the client a 504; one that
+        makes no progress for ``PIG_UPSTREAM_IDLE_TIMEOUT_SECONDS`` mid-body has both
+        connections closed.
         """
+        head_deadline = started + self.upstream_head_timeout_s
         event: h11.Response | None = None
         if bridge:
             with trio.move_on_after(BRIDGE_GRACE_S):
-                event = await _response_head(up)
+                event = await up.read_head()
             if event is None:
-                return await self.relay_bridged(down, up, slot, started)
+                return await self.relay_bridged(down, up, slot, started, head_deadline)
         if event is None:
-            event = await _response_head(up)
+            with trio.move_on_at(head_deadline):
+                event = await up.read_head()
+            if event is None:
+                return await self.head_timed_out(down)
         status = event.status_code
         upstream_headers = list(event.headers)
         drop = _hop_by_hop(upstream_headers)
@@ -741,9 +886,35 @@ class ProxyApp:
             headers = _without_length(headers)
         head = h11.Response(status_code=status, headers=headers, reason=event.reason)
         self.metrics.proxy_ttfb.observe(trio.current_time() - started)
-        if await self.send_head(down, up, head, scanner=scanner, slot=slot):
-            await self.copy_body(down, up, scanner=scanner, slot=slot, keepalive=keepalive)
+        raw = (
+            _is_chunked(upstream_headers)
+            and method != b"HEAD"
+            and status not in (204, 304)
+            and down.h11.their_http_version == b"1.1"
+        )
+        with self.idle_guard() as guard:
+            if raw:
+                await self.copy_chunked(
+                    down, up, head, scanner=scanner, slot=slot, keepalive=keepalive, guard=guard
+                )
+            elif await self.send_head(down, up, head, scanner=scanner, slot=slot):
+                await self.copy_body(
+                    down, up, scanner=scanner, slot=slot, keepalive=keepalive, guard=guard
+                )
         return status
+
+    def idle_guard(self) -> _IdleGuard:
+        return _IdleGuard(self.upstream_idle_timeout_s)
+
+    async def head_timed_out(self, down: Downstream) -> int:
+        """The backend sent no response head within its budget: 504, the connection closed."""
+        self.metrics.proxy_upstream_errors.inc()
+        if not down.can_respond:
+            raise ResponseAborted("no response head from the backend in time")
+        await self.discard_remaining(down)
+        await down.respond(504, [_JSON, (b"connection", b"close")], GATEWAY_TIMEOUT_BODY)
+        down.gone = True  # the exchange is abandoned mid-way: close the connection
+        return 504
 
     async def send_head(
         self,
@@ -755,7 +926,7 @@ class ProxyApp:
         slot: Slot | None,
     ) -> bool:
         """Send the head together with any body bytes already read; False if the body ended."""
-        first = up.h11.next_event()
+        first = up.buffered_event()
         if isinstance(first, h11.Data):
             await down.send(head, h11.Data(data=first.data))
             if scanner is not None and scanner.feed(bytes(first.data)) and slot is not None:
@@ -768,7 +939,12 @@ class ProxyApp:
         return True
 
     async def relay_bridged(
-        self, down: Downstream, up: UpstreamConnection, slot: Slot | None, started: float
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        slot: Slot | None,
+        started: float,
+        head_deadline: float,
     ) -> int:
         """The early bridge: a 200 stream with a comment now, the backend events once it answers."""
         metrics = self.metrics
@@ -776,12 +952,15 @@ class ProxyApp:
         metrics.sse_keepalive_streams.inc()
         metrics.sse_keepalive_comments.inc()
         metrics.proxy_ttfb.observe(trio.current_time() - started)
-        await down.send(
-            h11.Response(status_code=200, headers=_BRIDGE_HEADERS, reason=b"OK"),
-            h11.Data(data=KEEPALIVE_COMMENT),
-        )
+        head = h11.Response(status_code=200, headers=_BRIDGE_HEADERS, reason=b"OK")
+        await down.send(head, h11.Data(data=KEEPALIVE_COMMENT))
+        event: h11.Response | None = None
         try:
-            event = await _response_head(up)
+            with trio.move_on_at(head_deadline):
+                event = await up.read_head()
+            if event is None:
+                self.metrics.proxy_upstream_errors.inc()
+                raise ResponseAborted("no response head from the backend in time")
             content_type = next((v for k, v in event.headers if k == b"content-type"), b"")
             if event.status_code != 200 or b"text/event-stream" not in content_type.lower():
                 metrics.sse_bridge_invalid_upstream.inc()
@@ -793,7 +972,15 @@ class ProxyApp:
             metrics.sse_bridge_upstream_errors.inc()
             await down.send(h11.EndOfMessage())
             return 200
-        await self.copy_body(down, up, scanner=FirstUsefulEventScanner(), slot=slot)
+        with self.idle_guard() as guard:
+            if _is_chunked(list(event.headers)):
+                await self.copy_chunked(
+                    down, up, None, scanner=FirstUsefulEventScanner(), slot=slot, guard=guard
+                )
+            else:
+                await self.copy_body(
+                    down, up, scanner=FirstUsefulEventScanner(), slot=slot, guard=guard
+                )
         return 200
 
     async def relay_error(
@@ -833,8 +1020,73 @@ class ProxyApp:
             h11.Response(status_code=status, headers=headers, reason=event.reason),
             h11.Data(data=b"".join(chunks)),
         )
-        await self.copy_body(down, up, scanner=None, slot=None)
+        with self.idle_guard() as guard:
+            await self.copy_body(down, up, scanner=None, slot=None, guard=guard)
         return status
+
+    async def copy_chunked(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        head: h11.Response | None,
+        *,
+        scanner: FirstUsefulEventScanner | None,
+        slot: Slot | None,
+        guard: _IdleGuard,
+        keepalive: bool = False,
+    ) -> None:
+        """The fast path for a chunked upstream body to an HTTP/1.1 client (whose response h11
+        frames as chunked too): h11 parses neither side's body. Each upstream read is checked
+        by :class:`ChunkedBodyReader` and forwarded in one write, unchanged when it is whole
+        chunks (re-framed as one chunk otherwise); the SSE scanner sees the payload only until
+        the first useful event. ``head`` (None when already sent) goes out with the first bytes.
+        """
+        reader = ChunkedBodyReader()
+        pending_head = head
+        out = b""
+        data = await up.receive_raw() if up.unparsed else b""
+        while True:
+            if data:
+                try:
+                    piece = reader.feed(data, want_payload=scanner is not None)
+                except ChunkedFramingError as exc:
+                    raise UpstreamError(f"{up.target.name}: {exc}") from None
+                if piece.passthrough is not None:
+                    out = out + piece.passthrough if out else piece.passthrough
+                elif piece.payload:
+                    out += frame(piece.payload)
+                if scanner is not None and piece.payload:
+                    if scanner.feed(piece.payload) and slot is not None:
+                        slot.first_token()
+                    if scanner.done or scanner.limit_reached:
+                        scanner = None
+                if piece.done:
+                    up.finish_raw_body(piece.trailer, clean=not piece.leftover)
+                    prefix = down.frame(pending_head) if pending_head is not None else b""
+                    await down.send_raw(prefix + out + down.frame(h11.EndOfMessage()))
+                    return
+            if pending_head is not None:
+                out = down.frame(pending_head) + out
+                pending_head = None
+            if out:
+                await down.send_raw(out)
+                out = b""
+                guard.progress()
+            if keepalive:
+                received: bytes | bytearray | None = None
+                with trio.move_on_after(KEEPALIVE_AFTER_S):
+                    received = await up.receive_raw()
+                if received is None:
+                    out = frame(KEEPALIVE_COMMENT)
+                    self.metrics.sse_keepalive_comments.inc()
+                    data = b""
+                    continue
+                data = received
+            else:
+                data = await up.receive_raw()
+            if not data:
+                raise UpstreamError(f"{up.target.name}: connection closed mid-response")
+            guard.progress()
 
     async def copy_body(
         self,
@@ -843,9 +1095,11 @@ class ProxyApp:
         *,
         scanner: FirstUsefulEventScanner | None,
         slot: Slot | None,
+        guard: _IdleGuard,
         keepalive: bool = False,
     ) -> None:
-        """Pass body chunks through as they come; scan only until the first useful SSE event.
+        """Pass body chunks through as h11 reads them (Content-Length and close-delimited
+        bodies, HTTP/1.0 clients); scan only until the first useful SSE event.
 
         With ``keepalive``, an SSE comment goes out whenever the backend stays silent for
         :data:`KEEPALIVE_AFTER_S` (a cancelled receive loses no bytes).
@@ -861,6 +1115,7 @@ class ProxyApp:
                     continue
             else:
                 event = await up.next_event()
+            guard.progress()
             if isinstance(event, h11.Data):
                 data, ended = _drain_buffered(up, bytes(event.data))
                 if ended:
@@ -870,6 +1125,7 @@ class ProxyApp:
                     return
                 # One downstream write for everything this upstream read brought.
                 await down.send(h11.Data(data=data))
+                guard.progress()
                 if scanner is not None:
                     if scanner.feed(data) and slot is not None:
                         slot.first_token()
@@ -921,13 +1177,52 @@ def _drain_buffered(up: UpstreamConnection, data: bytes) -> tuple[bytes, bool]:
             return b"".join(parts), False
 
 
-async def _response_head(up: UpstreamConnection) -> h11.Response:
-    event = await up.next_event()
-    while isinstance(event, h11.InformationalResponse):
-        event = await up.next_event()
-    if not isinstance(event, h11.Response):
-        raise UpstreamError(f"{up.target.name}: no response head")
-    return event
+def _budget(seconds: float) -> float:
+    """A timeout setting in seconds, 0 meaning none."""
+    return float(seconds) if seconds > 0 else math.inf
+
+
+def _is_chunked(headers: list[tuple[bytes, bytes]]) -> bool:
+    """The response body is chunked (h11 already refused any other transfer coding)."""
+    return any(
+        name == b"transfer-encoding" and value.strip().lower() == b"chunked"
+        for name, value in headers
+    )
+
+
+class _IdleGuard:
+    """Cancels a body copy when neither side made progress for ``idle_s`` seconds.
+
+    One cancel scope per copy whose deadline moves forward at most twice a second, so the cost
+    per relayed event is one clock read. When it fires the copy ends with
+    :class:`ResponseAborted`: both connections are closed.
+    """
+
+    __slots__ = ("_armed_at", "_idle_s", "_scope")
+
+    def __init__(self, idle_s: float) -> None:
+        self._idle_s = idle_s
+        self._armed_at = 0.0
+        self._scope = trio.CancelScope()
+
+    def __enter__(self) -> _IdleGuard:
+        now = trio.current_time()
+        self._armed_at = now
+        self._scope.deadline = now + self._idle_s
+        self._scope.__enter__()
+        return self
+
+    def progress(self) -> None:
+        now = trio.current_time()
+        if now - self._armed_at > 0.5:
+            self._armed_at = now
+            self._scope.deadline = now + self._idle_s
+
+    def __exit__(self, *exc_info: object) -> bool:
+        suppressed = self._scope.__exit__(*exc_info)  # type: ignore[arg-type]
+        if self._scope.cancelled_caught:
+            raise ResponseAborted("no progress on the response within the idle timeout")
+        return bool(suppressed)
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:

@@ -3,13 +3,18 @@
 Reads: a backend's base URL (http or https), request heads and body chunks from the proxy.
 Guarantees:
 - a connection goes back to its pool only when its exchange finished cleanly and both sides
-  may reuse it (h11 says so); any error, timeout or cancellation closes it instead;
+  may reuse it (h11 says so), with no byte left over after the response; any error, timeout,
+  cancellation or desync closes it instead;
 - at most ``max_idle`` idle connections are kept per backend, each for at most ``idle_timeout_s``;
-- nothing here parses bodies: the proxy receives the upstream body as h11 ``Data`` chunks.
+- the response head is always parsed by h11; the body can then be read through h11 (``Data``
+  events) or, for the relay's fast path, as raw bytes (``receive_raw``), after which
+  ``finish_raw_body`` puts h11 back in step;
+- nothing here parses body contents.
 """
 
 from __future__ import annotations
 
+import re
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator
@@ -25,6 +30,9 @@ from guard_core import GuardError
 __all__ = ("UpstreamConnection", "UpstreamError", "UpstreamPool", "UpstreamTarget")
 
 _READ_SIZE = 65536
+#: The end of a response head, as h11 finds it (it accepts bare LF line endings).
+_HEAD_END = re.compile(rb"\n\r?\n")
+_MAX_HEAD_BYTES = 64 * 1024
 
 
 class UpstreamError(GuardError):
@@ -64,6 +72,10 @@ class UpstreamConnection:
         self.idle_since = 0.0
         #: Taken from the idle pool (it may have been closed by the backend meanwhile).
         self.reused = False
+        #: Raw bytes read past the response head that h11 has not seen yet.
+        self.unparsed = bytearray()
+        #: Set when the body was read around h11 and something about it forbids reuse.
+        self.poisoned = False
 
     async def send(self, *events: h11.Event) -> None:
         data = b"".join(self.h11.send(event) or b"" for event in events)
@@ -73,8 +85,78 @@ class UpstreamConnection:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise UpstreamError(f"{self.target.name}: send failed ({exc})") from None
 
+    async def receive_raw(self) -> bytes | bytearray:
+        """Bytes from the backend, h11 bypassed (``unparsed`` first); b"" at end of stream."""
+        if self.unparsed:
+            data = bytes(self.unparsed)
+            self.unparsed.clear()
+            return data
+        try:
+            return await self.stream.receive_some(_READ_SIZE)
+        except (trio.BrokenResourceError, OSError) as exc:
+            raise UpstreamError(f"{self.target.name}: connection lost ({exc})") from None
+
+    async def read_head(self) -> h11.Response:
+        """The final response head, parsed by h11, reading only as far as the head goes: the
+        body bytes already read stay in ``unparsed``, so the caller may read the body through
+        h11 (:meth:`next_event`) or around it (:meth:`receive_raw`). Cancel-safe: bytes read
+        before a cancellation are kept."""
+        while True:
+            end = _HEAD_END.search(self.unparsed)
+            if end is None:
+                if len(self.unparsed) > _MAX_HEAD_BYTES:
+                    raise UpstreamError(f"{self.target.name}: response head too large")
+                try:
+                    data = await self.stream.receive_some(_READ_SIZE)
+                except (trio.BrokenResourceError, OSError) as exc:
+                    raise UpstreamError(f"{self.target.name}: connection lost ({exc})") from None
+                if not data:
+                    raise UpstreamError(f"{self.target.name}: closed before the response head")
+                self.unparsed += data
+                continue
+            head = bytes(self.unparsed[: end.end()])
+            del self.unparsed[: end.end()]
+            self.h11.receive_data(head)
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise UpstreamError(f"bad response from {self.target.name}: {exc}") from None
+            if isinstance(event, h11.InformationalResponse):
+                continue
+            if isinstance(event, h11.Response):
+                return event
+            raise UpstreamError(f"{self.target.name}: no response head")
+
+    def finish_raw_body(self, trailer: bytes, *, clean: bool) -> None:
+        """After a chunked body read with :meth:`receive_raw`: hand h11 the end of the body
+        (``trailer``: the trailer section) so that it checks it and the connection can be
+        reused; any doubt (``clean`` False, bytes after the body, a bad trailer) forbids reuse."""
+        if not clean or self.unparsed:
+            self.poisoned = True
+            return
+        self.h11.receive_data(b"0\r\n" + trailer)
+        try:
+            event = self.h11.next_event()
+        except h11.RemoteProtocolError:
+            event = None
+        if not isinstance(event, h11.EndOfMessage):
+            self.poisoned = True
+
+    def buffered_event(self) -> object:
+        """The next event from what was already read (h11.NEED_DATA when there is none)."""
+        if self.unparsed:
+            self.h11.receive_data(bytes(self.unparsed))
+            self.unparsed.clear()
+        try:
+            return self.h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise UpstreamError(f"bad response from {self.target.name}: {exc}") from None
+
     async def next_event(self) -> h11.Event:
         """The next response event; raises UpstreamError if the backend breaks the exchange."""
+        if self.unparsed:
+            self.h11.receive_data(bytes(self.unparsed))
+            self.unparsed.clear()
         while True:
             try:
                 event = self.h11.next_event()
@@ -94,7 +176,14 @@ class UpstreamConnection:
 
     @property
     def reusable(self) -> bool:
-        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+        return (
+            not self.poisoned
+            and not self.unparsed
+            and self.h11.our_state is h11.DONE
+            and self.h11.their_state is h11.DONE
+            # Bytes after the end of the response are a desync: never pool such a connection.
+            and not self.h11.trailing_data[0]
+        )
 
     async def aclose(self) -> None:
         with trio.move_on_after(0.5) as scope:
