@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["lint", "typing", "tests"]
@@ -67,12 +69,23 @@ def replay(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks that print tables (nothing is asserted): parsers, core, engine, sim-backend."""
+    """Every benchmark in one run, printing tables (nothing is asserted).
+
+    Core micro-benchmarks, the metrics parsers, the engine model and the simulated backend, then
+    the proxy (direct, guard, nginx; small POSTs with wrk, SSE streams) and the peers
+    (sglang-router, LiteLLM, each installed once into its own venv under .nox/peers). Options go
+    to the last two: ``nox -s bench -- --quick`` (or ``--smoke``); a missing nginx, wrk or peer is
+    skipped with a line saying so. Each script's docstring says what its tables measure.
+    """
     session.install("-e", ".")
-    session.run("python", "bench/bench_metrics_parse.py")
     session.run("python", "bench/bench_core.py")
+    session.run("python", "bench/bench_metrics_parse.py")
     session.run("python", "bench/bench_engine.py")
-    session.run("python", "bench/bench_sim_backend.py")
+    quick = {"--quick", "--smoke"} & set(session.posargs)
+    session.run("python", "bench/bench_sim_backend.py", *(["--seconds", "5"] if quick else []))
+    session.run("python", "bench/bench_proxy.py", *session.posargs)
+    peers_dir = Path(session.virtualenv.location).parent / "peers"
+    session.run("python", "bench/bench_peers.py", "--peers-dir", str(peers_dir), *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -103,3 +116,24 @@ def demo(session: nox.Session) -> None:
     """The one-minute demonstration: simulated backend, guard and load; ``-- --quick`` for 12 s."""
     session.install("-e", ".")
     session.run("inference-guard", "demo", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """Bounded soak of the real guard with faults (bench/soak.py, docs/soak.md).
+
+    ``nox -s soak -- --rounds 2 --round-seconds 3`` is the CI-size smoke run; without arguments
+    20 rounds of 30 s. Exits non-zero when a conservation, gauge or resource criterion fails.
+    """
+    session.install("-e", ".", "psutil>=5.9")
+    session.run("python", "bench/soak.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """Coverage-guided fuzzing of the request-side parsers with atheris, 60 s per target.
+
+    ``nox -s fuzz -- --seconds 5 --target sse`` for a short run of one target (docs/soak.md).
+    """
+    session.install("-e", ".", "atheris>=2.3")
+    session.run("python", "tests/property/fuzz/atheris_targets.py", *session.posargs)

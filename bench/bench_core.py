@@ -1,7 +1,8 @@
 """Micro-benchmarks of the pure core: one admission decision and one poll evaluation.
 
 Run: ``python bench/bench_core.py`` (also part of ``nox -s bench``). Prints medians of several
-repeats; nothing is asserted. Goals (PRODUCT.md): admission <= 10 us, poll evaluation <= 200 us.
+repeats; nothing is asserted. Goals (PRODUCT.md): admission <= 10 us, poll evaluation <= 200 us,
+one parse of the real vLLM metrics page <= 200 us (bench_metrics_parse.py compares parsers).
 """
 
 from __future__ import annotations
@@ -79,11 +80,18 @@ def poll_evaluation() -> float:
     return median_us(once, 2_000)
 
 
+def metrics_parse() -> float:
+    """One parse of the real 46 KB vLLM 0.10 page by the poller's scanner, as bytes."""
+    page = PAGE.read_bytes()
+    return median_us(lambda: parse_metrics(page), 500)
+
+
 def main() -> None:
     build = f"{platform.python_implementation()} {sys.version.split()[0]} ({platform.machine()})"
     rows = [
         ("admission decision (gate, per attempt)", admission_pair(), 10.0),
         ("poll evaluation (learning pipeline)", poll_evaluation(), 200.0),
+        ("metrics page parse (vLLM 0.10, 46 KB)", metrics_parse(), 200.0),
     ]
     print(f"guard_core micro-benchmarks on {build}, median of 7 repeats")
     print(f"{'what':42} {'us':>9} {'goal us':>8}")

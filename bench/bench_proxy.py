@@ -1,6 +1,7 @@
-"""What the guard adds on the wire: small POSTs and SSE streams, direct vs through the guard.
+"""What the guard adds on the wire: small POSTs and SSE streams, direct vs guard vs nginx.
 
-Run: ``python bench/bench_proxy.py [--quick] [--smoke] [--runs N]``.
+Run: ``python bench/bench_proxy.py [--quick] [--smoke] [--runs N] [--no-nginx]`` (also part of
+``nox -s bench``; bench_peers.py reuses this file for sglang-router and LiteLLM).
 
 Three processes per measurement, on a machine with at least two cores:
 
@@ -13,15 +14,19 @@ Three processes per measurement, on a machine with at least two cores:
   many events it wrote;
 - ``inference-guard serve`` (static mode: admission never refuses; and dynamic mode polling
   the backend's ``/metrics``), pinned to the first core;
-- the load generator (``wrk`` for the POSTs when it is installed, else this process), pinned
-  with the backend to the other cores.
+- the load generator (``wrk`` for the POSTs when it is installed, with a Lua script for the body
+  and the percentiles, else this process), pinned with the backend to the other cores.
 
-The same phases run against the backend directly and through the guard. One-way delay of an
-event is its arrival time at the client minus the backend's timestamp in it (CLOCK_MONOTONIC is
-shared by all processes), so "added delay" compares the same quantity on both paths. The guard's
-CPU comes from ``/proc/<pid>/stat`` and its memory from ``/proc/<pid>/status`` (VmRSS) before
-the streams open and while they are all held. Prints tables with the goals of PRODUCT.md
-beside the figures; asserts nothing and exits 0.
+The same phases (POSTs at 32 and 128 connections and at one; 200 and 512 streams) run against
+the backend directly, through the guard, and through Debian's nginx as a plain reverse proxy
+(a config written to a scratch folder: one process on the guard's core, HTTP/1.1 with kept-alive
+upstream connections, ``proxy_buffering off``), skipped with a line when nginx is not installed.
+One-way delay of an event is its arrival time at the client minus the backend's timestamp in it
+(CLOCK_MONOTONIC is shared by all processes), so "added delay" compares the same quantity on
+every path. The CPU of the process in front (guard or nginx) comes from ``/proc/<pid>/stat``
+and its memory from ``/proc/<pid>/status`` (VmRSS) before the streams open and while they are
+all held. Prints tables with the goals of PRODUCT.md beside the figures (marked only in the
+guard's columns); asserts nothing and exits 0.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -37,6 +43,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -99,6 +106,14 @@ EVENT_BLOCK = re.compile(
     + rb"(\d+\.\d+)"
     + re.escape(_tail.removesuffix(b"\n\n"))
 )
+# The same chunk for peers that parse and re-serialise events (LiteLLM): sequence number and
+# timestamp ride in the content, the one field every OpenAI-compatible proxy passes on unchanged.
+PEER_EVENT = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench",'
+    b'"choices":[{"index":0,"delta":{"content":"s%d t%.6f "},"logprobs":null,'
+    b'"finish_reason":null}]}\n\n'
+)
+PEER_MARK = re.compile(rb"s(\d+) t(\d+\.\d+) ")
 DONE_BLOCK = b"data: [DONE]"
 DONE_CHUNK = b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
 SSE_HEAD = (
@@ -106,7 +121,8 @@ SSE_HEAD = (
     b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
 )
 CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
-MAX_TOKENS = re.compile(rb'"max_tokens":(\d+)')
+MAX_TOKENS = re.compile(rb'"max_(?:completion_)?tokens"\s*:\s*(\d+)')
+STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 GUARD_ENV = {
     "DYNAMIC_PIG_ENABLED": "false",
@@ -130,23 +146,34 @@ def response(status: bytes, content_type: bytes, body: bytes) -> bytes:
 class Backend:
     """Open streams and the decode-step ticker."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float, page: bytes) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        interval_s: float,
+        page: bytes,
+        *,
+        event: bytes = EVENT,
+        model_path: str = "",
+    ) -> None:
         self.loop = loop
         self.interval_s = interval_s
+        self.event = event
         self.streams: dict[BackendConnection, None] = {}
         self.sent = 0
         self.answer = response(b"200 OK", b"application/json", ANSWER)
         self.metrics = response(b"200 OK", b"text/plain; version=0.0.4; charset=utf-8", page)
+        self.info = info_pages(model_path)
         self.next_tick = loop.time() + interval_s
         loop.call_at(self.next_tick, self.tick)
 
     def tick(self) -> None:
         """One decode step: one event for every open stream, written back to back."""
         clock = time.monotonic
+        event = self.event
         ended = []
         for connection in self.streams:
             seq = connection.seq
-            payload = EVENT % (seq, clock())
+            payload = event % (seq, clock())
             connection.write(b"%x\r\n%s\r\n" % (len(payload), payload))
             connection.seq = seq + 1
             if connection.seq >= connection.limit:
@@ -172,6 +199,41 @@ class Backend:
         return sent
 
 
+def info_pages(model_path: str) -> dict[bytes, bytes]:
+    """What routers probe on a worker before they send it traffic (sglang-router: health, server
+    and model info, load). ``model_path`` names a local, empty directory, so that a router which
+    loads a tokenizer from the worker's model path fails locally instead of going to a hub."""
+    model = {"model_path": model_path or "bench", "tokenizer_path": model_path or "bench"}
+    server = {
+        **model,
+        "served_model_name": "bench",
+        "is_generation": True,
+        "max_total_num_tokens": 1 << 20,
+        "dp_size": 1,
+        "tp_size": 1,
+        "version": "bench",
+    }
+    models = {
+        "object": "list",
+        "data": [{"id": "bench", "object": "model", "created": 0, "owned_by": "bench"}],
+    }
+    pages = {
+        b"/server_info": server,
+        b"/get_server_info": server,
+        b"/model_info": {**model, "is_generation": True},
+        b"/get_model_info": {**model, "is_generation": True},
+        b"/get_load": [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}],
+        b"/v1/models": models,
+    }
+    out = {
+        target: response(b"200 OK", b"application/json", json.dumps(page).encode())
+        for target, page in pages.items()
+    }
+    for target in (b"/health", b"/health_generate", b"/ping"):
+        out[target] = response(b"200 OK", b"text/plain", b"ok\n")
+    return out
+
+
 class BackendConnection(asyncio.Protocol):
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -179,9 +241,11 @@ class BackendConnection(asyncio.Protocol):
         self.seq = 0
         self.limit = 0
         self.write: Callable[[bytes], object] = lambda data: None
+        self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
         self.write = transport.write
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -197,15 +261,26 @@ class BackendConnection(asyncio.Protocol):
             total = end + 4 + (int(match[1]) if match else 0)
             if len(buffer) < total:
                 break
-            self.handle(buffer[:end], buffer[end + 4 : total])
+            if not self.handle(buffer[:end], buffer[end + 4 : total]):
+                return
             buffer = buffer[total:]
         self.buffer = buffer
 
-    def handle(self, head: bytes, body: bytes) -> None:
-        method, target, _ = head[: head.find(b"\r\n")].split(b" ", 2)
+    def handle(self, head: bytes, body: bytes) -> bool:
+        """Answer one request; False when the connection is closed (not HTTP/1.x: sglang-router
+        opens one with the HTTP/2 preface to find out whether the worker speaks gRPC)."""
+        parts = head.split(b"\r\n", 1)[0].split(b" ")
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            self.write(
+                b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
+            )
+            assert self.transport is not None
+            self.transport.close()
+            return False
+        method, target, _ = parts
         backend = self.backend
         if method == b"POST" and target.startswith(CHAT):
-            if b'"stream":true' in body:
+            if STREAM_TRUE.search(body):
                 match = MAX_TOKENS.search(body)
                 self.seq, self.limit = 0, int(match[1]) if match else 1000
                 self.write(SSE_HEAD)
@@ -214,17 +289,27 @@ class BackendConnection(asyncio.Protocol):
                 self.write(backend.answer)
         elif method == b"GET" and target == b"/metrics":
             self.write(backend.metrics)
+        elif method == b"GET" and target in backend.info:
+            self.write(backend.info[target])
         elif method == b"POST" and target == b"/bench/finish":
             sent = backend.finish()
             self.write(response(b"200 OK", b"application/json", b'{"sent":%d}' % sent))
         else:
+            sys.stderr.write(f"bench backend: 404 for {head[:200]!r}\n")
             self.write(response(b"404 Not Found", b"text/plain", b"not found\n"))
+        return True
 
 
-def serve_backend(interval_ms: float) -> int:
+def serve_backend(interval_ms: float, *, peer_events: bool = False, model_path: str = "") -> int:
     async def serve() -> None:
         loop = asyncio.get_running_loop()
-        backend = Backend(loop, interval_ms / 1000, METRICS_PAGE.read_bytes())
+        backend = Backend(
+            loop,
+            interval_ms / 1000,
+            METRICS_PAGE.read_bytes(),
+            event=PEER_EVENT if peer_events else EVENT,
+            model_path=model_path,
+        )
         server = await loop.create_server(
             lambda: BackendConnection(backend), "127.0.0.1", 0, backlog=4096
         )
@@ -282,10 +367,11 @@ class CpuProbe:
 # -- small POSTs: the built-in generator ---------------------------------------------------------
 
 
-def post_request(port: int) -> bytes:
+def post_request(port: int, headers: Sequence[tuple[str, str]] = ()) -> bytes:
+    extra = b"".join(f"{name}: {value}\r\n".encode() for name, value in headers)
     return (
         b"POST %s HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%s" % (CHAT, port, len(POST_BODY), POST_BODY)
+        b"%scontent-length: %d\r\n\r\n%s" % (CHAT, port, extra, len(POST_BODY), POST_BODY)
     )
 
 
@@ -358,10 +444,11 @@ async def builtin_post(
     seconds: float,
     limit: int | None,
     pids: dict[str, int],
+    headers: Sequence[tuple[str, str]] = (),
 ) -> dict[str, float]:
     loop = asyncio.get_running_loop()
     run = PostRun(limit, loop.create_future())
-    request = post_request(port)
+    request = post_request(port, headers)
     opened: list[PostConnection] = []
     for _ in range(connections):
         _, protocol = await loop.create_connection(
@@ -393,7 +480,23 @@ async def builtin_post(
 
 # -- small POSTs: wrk ----------------------------------------------------------------------------
 
-_WRK_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}
+#: wrk's Lua hooks: the POST (body and headers) and, when the run is done, one JSON line with the
+#: counts and the latency percentiles in microseconds, so nothing depends on wrk's text layout.
+WRK_SCRIPT = """\
+wrk.method = "POST"
+wrk.body = [[%(body)s]]
+wrk.headers["Content-Type"] = "application/json"
+%(headers)s
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "WRK-JSON {\\"requests\\":%%d,\\"duration_us\\":%%d,\\"p50_us\\":%%.1f,\\"p99_us\\":%%.1f,"
+    .. "\\"p999_us\\":%%.1f,\\"status\\":%%d,\\"connect\\":%%d,\\"read\\":%%d,"
+    .. "\\"write\\":%%d,\\"timeout\\":%%d}\\n",
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    latency:percentile(99.9), e.status, e.connect, e.read, e.write, e.timeout))
+end
+"""
 
 
 def wrk_post(
@@ -404,19 +507,18 @@ def wrk_post(
     seconds: float,
     pids: dict[str, int],
     cores: set[int],
+    headers: Sequence[tuple[str, str]] = (),
 ) -> dict[str, float] | None:
     """One wrk run (after a one-second warm-up run); None when its output cannot be read."""
     with tempfile.TemporaryDirectory() as scratch:
         script = Path(scratch) / "post.lua"
-        script.write_text(
-            'wrk.method = "POST"\n'
-            f"wrk.body = [[{POST_BODY.decode()}]]\n"
-            'wrk.headers["Content-Type"] = "application/json"\n'
-        )
+        extra = "\n".join(f'wrk.headers["{name}"] = "{value}"' for name, value in headers)
+        script.write_text(WRK_SCRIPT % {"body": POST_BODY.decode(), "headers": extra})
         url = f"http://127.0.0.1:{port}{CHAT.decode()}"
 
         def command(duration: int) -> list[str]:
-            options = ["-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s"]
+            # a long timeout: a slow peer's answers count with their latency, not as errors
+            options = ["-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "10s", "-s"]
             return [wrk, *options, str(script), url]
 
         def run(duration: int) -> str:
@@ -441,30 +543,21 @@ def wrk_post(
     wrk_cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     usage["client_cpu_s"] = wrk_cpu
     usage["client_share"] = wrk_cpu / usage["window_s"]
-    try:
-        requests = int(re.search(r"(\d+) requests in", out)[1])  # type: ignore[index]
-        rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out)[1])  # type: ignore[index]
-        latency = {
-            q: float(value) * _WRK_UNITS[unit]
-            for q, value, unit in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s|m)\s*$", out, re.M)
-        }
-        errors = sum(
-            int(n)
-            for pattern in (r"Non-2xx or 3xx responses: (\d+)", r"Socket errors: (.*)$")
-            for found in re.findall(pattern, out, re.M)
-            for n in re.findall(r"\d+", found)
-        )
-        return {
-            **usage,
-            "requests": requests,
-            "rps": rps,
-            "p50_ms": latency["50"],
-            "p99_ms": latency["99"],
-            "errors": errors,
-        }
-    except (TypeError, KeyError, ValueError):
+    found = re.search(r"^WRK-JSON (\{.*\})$", out, re.M)
+    if found is None:
         sys.stderr.write(f"could not read wrk's output:\n{out}\n")
         return None
+    figures = json.loads(found[1])
+    errors = sum(figures[key] for key in ("status", "connect", "read", "write", "timeout"))
+    return {
+        **usage,
+        "requests": figures["requests"],
+        "rps": figures["requests"] / (figures["duration_us"] / 1e6),
+        "p50_ms": figures["p50_us"] / 1000,
+        "p99_ms": figures["p99_us"] / 1000,
+        "p999_ms": figures["p999_us"] / 1000,
+        "errors": errors,
+    }
 
 
 # -- SSE streams ---------------------------------------------------------------------------------
@@ -501,10 +594,18 @@ class StreamRun:
 
 
 class StreamConnection(asyncio.Protocol):
-    """One streaming request: de-chunks the body, checks every event, records its delay."""
+    """One streaming request: de-chunks the body, checks every event, records its delay.
 
-    def __init__(self, run: StreamRun, request: bytes) -> None:
+    Strict (default): every block must be the backend's event byte for byte, else it counts as
+    damaged or merged. ``loose`` (for peers that re-serialise events): a block counts when it
+    carries exactly one sequence mark, two marks in one block is a merge, and blocks without a
+    mark (a role or usage chunk a peer adds, comments) are ignored; a mangled event then shows
+    up as a lost one.
+    """
+
+    def __init__(self, run: StreamRun, request: bytes, *, loose: bool = False) -> None:
         self.run = run
+        self.loose = loose
         self.request = request
         self.transport: asyncio.Transport | None = None
         self.head_done = False
@@ -596,8 +697,18 @@ class StreamConnection(asyncio.Protocol):
         blocks = (self.text + body).split(b"\n\n")
         self.text = blocks.pop()
         match_block = EVENT_BLOCK.fullmatch
+        loose = self.loose
         for block in blocks:
-            match = match_block(block)
+            if loose:
+                marks = PEER_MARK.findall(block)
+                match = marks[0] if len(marks) == 1 else None
+                if match is None and block != DONE_BLOCK:
+                    run.malformed += len(marks) > 1
+                    continue
+            else:
+                match = match_block(block)
+                if match is not None:
+                    match = (match[1], match[2])
             if match is None:
                 if block == DONE_BLOCK:
                     self.finished = True
@@ -607,7 +718,7 @@ class StreamConnection(asyncio.Protocol):
                 else:
                     run.malformed += 1
                 continue
-            seq = int(match[1])
+            seq = int(match[0])
             if seq != self.next_seq:
                 if seq > self.next_seq:
                     run.gaps += seq - self.next_seq
@@ -620,7 +731,7 @@ class StreamConnection(asyncio.Protocol):
             run.received += 1
             if run.measuring:
                 run.window_events += 1
-                run.delays.append(now - float(match[2]))
+                run.delays.append(now - float(match[1]))
 
 
 async def finish_streams(backend_port: int) -> int:
@@ -646,6 +757,8 @@ async def stream_phase(
     settle_s: float,
     seconds: float,
     pids: dict[str, int],
+    headers: Sequence[tuple[str, str]] = (),
+    loose: bool = False,
 ) -> dict[str, float]:
     loop = asyncio.get_running_loop()
     run = StreamRun(streams, loop)
@@ -660,15 +773,16 @@ async def stream_phase(
         },
         separators=(",", ":"),
     ).encode()
-    request = (
-        b"POST %s HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
-        b"accept: text/event-stream\r\ncontent-length: %d\r\n\r\n%s" % (CHAT, port, len(body), body)
-    )
+    extra = b"".join(f"{name}: {value}\r\n".encode() for name, value in headers)
+    request = b"POST %s HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n" % (
+        CHAT,
+        port,
+    ) + b"accept: text/event-stream\r\n%scontent-length: %d\r\n\r\n%s" % (extra, len(body), body)
     opened: list[StreamConnection] = []
     t_open = time.monotonic()
     for _ in range(streams):
         _, protocol = await loop.create_connection(
-            lambda: StreamConnection(run, request), "127.0.0.1", port
+            lambda: StreamConnection(run, request, loose=loose), "127.0.0.1", port
         )
         opened.append(protocol)
     with contextlib.suppress(TimeoutError):
@@ -723,9 +837,15 @@ async def stream_phase(
 
 
 @contextlib.contextmanager
-def process(command: list[str], **kwargs: Any) -> Iterator[subprocess.Popen[Any]]:
-    """A subprocess that is stopped (SIGTERM, then SIGKILL) whatever happens."""
-    child = subprocess.Popen(command, cwd=ROOT, **kwargs)
+def process(
+    command: list[str], *, cores: set[int] | None = None, **kwargs: Any
+) -> Iterator[subprocess.Popen[Any]]:
+    """A subprocess that is stopped (SIGTERM, then SIGKILL) whatever happens; with ``cores``,
+    it starts pinned to them (like ``taskset``), so every thread it ever makes is pinned too."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        kwargs["preexec_fn"] = lambda: os.sched_setaffinity(0, cores)
+    kwargs.setdefault("cwd", ROOT)
+    child = subprocess.Popen(command, **kwargs)
     try:
         yield child
     finally:
@@ -739,6 +859,34 @@ def process(command: list[str], **kwargs: Any) -> Iterator[subprocess.Popen[Any]
         for stream in (child.stdout, child.stderr):
             if stream is not None:
                 stream.close()
+
+
+def free_port() -> int:
+    """A port nothing listens on now (for servers that cannot be told to pick their own)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def wait_until_listening(
+    port: int, child: subprocess.Popen[Any], timeout_s: float, log: Path | None = None
+) -> None:
+    """Until something accepts on ``port``; RuntimeError (with the log's tail) if ``child`` exits
+    first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            break
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.1)
+    tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log and log.exists() else []
+    exited = child.poll()
+    state = (
+        f"exited with {exited}" if exited is not None else f"not listening after {timeout_s:g} s"
+    )
+    raise RuntimeError(" | ".join([state, *tail])[:600])
 
 
 def wait_for_port(log: Path, child: subprocess.Popen[Any], timeout_s: float = 30) -> int:
@@ -762,36 +910,54 @@ class Plan:
     def __init__(self, args: argparse.Namespace) -> None:
         self.rate = 1000 / args.interval_ms
         if args.smoke:
-            self.post_warmup_s, self.post_seconds, self.post_one_seconds = 0.1, 3.0, 3.0
+            self.post_warmup_s, self.post_seconds, self.post_one_seconds = 0.1, 2.0, 2.0
             self.post_limit: int | None = 200
+            self.post_connections = [32]
             self.streams = [8]
             self.settle_s, self.stream_seconds = 0.2, 1.0
         elif args.quick:
             self.post_warmup_s, self.post_seconds, self.post_one_seconds = 0.5, 2.0, 1.5
             self.post_limit = None
+            self.post_connections = [32, 128]
             self.streams = [128]
             self.settle_s, self.stream_seconds = 0.5, 5.0
         else:
             self.post_warmup_s, self.post_seconds, self.post_one_seconds = 1.0, 4.0, 3.0
             self.post_limit = None
+            self.post_connections = [32, 128]
             self.streams = [200, 512]
             self.settle_s, self.stream_seconds = 1.0, 15.0
         if args.streams is not None:
             self.streams = [int(n) for n in args.streams.split(",") if n.strip()]
+        if getattr(args, "connections", None):
+            self.post_connections = [int(n) for n in args.connections.split(",") if n.strip()]
         self.post = args.only != "sse"
+        self.post_one = self.post and not getattr(args, "no_post_one", False)
         if args.only == "post":
             self.streams = []
         if args.seconds:
             self.stream_seconds = args.seconds
+        if getattr(args, "post_seconds", None):
+            self.post_seconds = self.post_one_seconds = args.post_seconds
+
+    def post_phases(self) -> list[tuple[str, int, float]]:
+        """(phase name, connections, measured seconds) of every POST phase."""
+        if not self.post:
+            return []
+        phases = [(f"post{n}", n, self.post_seconds) for n in self.post_connections]
+        if self.post_one:
+            phases.append(("post1", 1, self.post_one_seconds))
+        return phases
 
 
 def run_target(
     plan: Plan, port: int, backend_port: int, pids: dict[str, int], setup: Setup
 ) -> dict[str, dict[str, float]]:
-    """Every phase against one target (the backend itself or a guard in front of it)."""
+    """Every phase against one target (the backend itself, or a guard or other proxy in front of
+    it, whose pid is ``pids["guard"]``)."""
     results: dict[str, dict[str, float]] = {}
-    posts = (("post32", 32, plan.post_seconds), ("post1", 1, plan.post_one_seconds))
-    for name, connections, seconds in posts if plan.post else ():
+    headers = setup.request_headers
+    for name, connections, seconds in plan.post_phases():
         measured = None
         if setup.wrk is not None:
             measured = wrk_post(
@@ -801,6 +967,7 @@ def run_target(
                 seconds=seconds,
                 pids=pids,
                 cores=setup.client_cores,
+                headers=headers,
             )
         if measured is None:
             measured = asyncio.run(
@@ -811,6 +978,7 @@ def run_target(
                     seconds=seconds,
                     limit=plan.post_limit,
                     pids=pids,
+                    headers=headers,
                 )
             )
         if "guard_cpu_s" in measured:
@@ -828,6 +996,8 @@ def run_target(
                 settle_s=plan.settle_s,
                 seconds=plan.stream_seconds,
                 pids=pids,
+                headers=headers,
+                loose=setup.loose_events,
             )
         )
     return results
@@ -867,7 +1037,7 @@ def table(
     rows: Sequence[Row],
 ) -> list[str]:
     """``rows``: label, phase, key (or ``added:KEY``), format, goal test, goal text."""
-    cells = [["", *columns, "goal (PRODUCT.md)"]]
+    cells = [["", *columns, "goal for the guard (PRODUCT.md)"]]
     missed = False
     for label, phase, key, show, goal, goal_text in rows:
         line = [label]
@@ -880,7 +1050,8 @@ def table(
             else:
                 value = figures.get(key, math.nan)
             text = show(value)
-            if goal is not None and column != "direct" and text != "-" and not goal(value):
+            goal_applies = column.startswith("guard")
+            if goal is not None and goal_applies and text != "-" and not goal(value):
                 text += " *"
                 missed = True
             line.append(text)
@@ -898,40 +1069,50 @@ def table(
     return lines
 
 
-def post_rows() -> list[Row]:
+def post_rows(plan: Plan) -> list[Row]:
     ms, count, seconds = fmt(3, " ms"), fmt(0), fmt(2, " s")
-    return [
-        ("requests/s, 32 connections", "post32", "rps", count, None, ""),
-        ("latency p50, 32 connections", "post32", "p50_ms", ms, None, ""),
-        ("latency p99, 32 connections", "post32", "p99_ms", ms, None, ""),
-        (
-            "requests per guard CPU-second",
-            "post32",
-            "guard_per_cpu_s",
-            count,
-            _ge(6000),
-            ">= 6,000",
-        ),
-        ("guard CPU per 10,000 requests", "post32", "guard_cpu_per_10k_s", seconds, None, ""),
-        ("guard CPU share, 32 connections", "post32", "guard_share", _percent, None, ""),
-        ("guard waiting for its core", "post32", "guard_wait_share", _percent, None, ""),
-        ("backend CPU share, 32 connections", "post32", "backend_share", _percent, None, ""),
-        ("generator CPU share, 32 connections", "post32", "client_share", _percent, None, ""),
-        ("requests/s, 1 connection", "post1", "rps", count, None, ""),
-        (
-            "guard waiting for its core, 1 connection",
-            "post1",
-            "guard_wait_share",
-            _percent,
-            None,
-            "",
-        ),
-        ("latency p50, 1 connection", "post1", "p50_ms", ms, None, ""),
-        ("latency p99, 1 connection", "post1", "p99_ms", ms, None, ""),
-        ("added p50, 1 connection", "post1", "added:p50_ms", ms, _le(0.2), "<= 0.2 ms"),
-        ("non-200 or unreadable answers", "post32", "errors", count, _le(0), "0"),
-        ("  same, 1 connection", "post1", "errors", count, _le(0), "0"),
-    ]
+    rows: list[Row] = []
+    for name, n, _ in plan.post_phases():
+        if n == 1:
+            continue
+        rows += [
+            (f"{n} connections: requests/s", name, "rps", count, None, ""),
+            ("  latency p50", name, "p50_ms", ms, None, ""),
+            ("  latency p99", name, "p99_ms", ms, None, ""),
+            ("  added p50", name, "added:p50_ms", ms, None, ""),
+            ("  added p99", name, "added:p99_ms", ms, None, ""),
+            (
+                "  requests per guard CPU-second",
+                name,
+                "guard_per_cpu_s",
+                count,
+                _ge(6000),
+                ">= 6,000",
+            ),
+            ("  guard CPU per 10,000 requests", name, "guard_cpu_per_10k_s", seconds, None, ""),
+            ("  guard CPU share", name, "guard_share", _percent, None, ""),
+            ("  guard waiting for its core", name, "guard_wait_share", _percent, None, ""),
+            ("  backend CPU share", name, "backend_share", _percent, None, ""),
+            ("  generator CPU share", name, "client_share", _percent, None, ""),
+            ("  non-2xx or unreadable answers, socket errors", name, "errors", count, _le(0), "0"),
+        ]
+    if plan.post_one:
+        rows += [
+            ("1 connection: requests/s", "post1", "rps", count, None, ""),
+            ("  latency p50", "post1", "p50_ms", ms, None, ""),
+            ("  latency p99", "post1", "p99_ms", ms, None, ""),
+            ("  added p50", "post1", "added:p50_ms", ms, _le(0.2), "<= 0.2 ms"),
+            ("  guard waiting for its core", "post1", "guard_wait_share", _percent, None, ""),
+            (
+                "  non-2xx or unreadable answers, socket errors",
+                "post1",
+                "errors",
+                count,
+                _le(0),
+                "0",
+            ),
+        ]
+    return rows
 
 
 def stream_rows(streams: int) -> list[Row]:
@@ -989,8 +1170,8 @@ def _le(limit: float) -> Callable[[float], bool]:
 # -- main ----------------------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options this file shares with bench_peers.py."""
     parser.add_argument("--quick", action="store_true", help="128 streams x 5 s, 2 s of POSTs")
     parser.add_argument(
         "--smoke", action="store_true", help="a few seconds in all: 8 streams x 1 s, 200 POSTs"
@@ -998,6 +1179,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=1, help="repeat and report medians")
     parser.add_argument("--streams", help="comma-separated stream counts (default 200,512)")
     parser.add_argument("--seconds", type=float, help="measured seconds of each stream phase")
+    parser.add_argument("--post-seconds", type=float, help="measured seconds of each POST phase")
+    parser.add_argument(
+        "--connections", help="comma-separated POST connection counts (default 32,128)"
+    )
     parser.add_argument("--interval-ms", type=float, default=20.0, help="time between events")
     parser.add_argument(
         "--generator",
@@ -1005,17 +1190,79 @@ def parse_args() -> argparse.Namespace:
         default="auto",
         help="POST load generator: wrk when installed (auto), or the built-in client",
     )
-    parser.add_argument("--no-dynamic", action="store_true", help="skip the dynamic-mode guard")
     parser.add_argument("--only", choices=("post", "sse"), help="run only these phases")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(parser)
+    parser.add_argument("--no-dynamic", action="store_true", help="skip the dynamic-mode guard")
+    parser.add_argument("--no-nginx", action="store_true", help="skip the nginx column")
     parser.add_argument(
         "--profile-guard", metavar="DIR", help="run the guard under cProfile, write DIR/*.prof"
     )
     parser.add_argument("--serve-backend", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    parser.add_argument("--peer-events", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", default="", help=argparse.SUPPRESS)
+    args, ignored = parser.parse_known_args()  # nox -s bench hands bench_peers' options too
+    if ignored:
+        print(f"bench_proxy: ignoring options it does not take: {' '.join(ignored)}")
+    return args
+
+
+# nginx as a plain reverse proxy, tuned as one would in front of SSE: HTTP/1.1 and kept-alive
+# connections to the backend, no response buffering. One process (no master, no daemon) so that
+# its CPU and memory are those of one pid, pinned to the guard's core.
+NGINX_CONF = """\
+daemon off;
+master_process off;
+worker_processes 1;
+worker_rlimit_nofile 65536;
+pid %(dir)s/nginx.pid;
+error_log %(dir)s/error.log warn;
+events {
+    worker_connections 16384;
+}
+http {
+    access_log off;
+    client_body_temp_path %(dir)s/client_body;
+    proxy_temp_path %(dir)s/proxy;
+    fastcgi_temp_path %(dir)s/fastcgi;
+    uwsgi_temp_path %(dir)s/uwsgi;
+    scgi_temp_path %(dir)s/scgi;
+    keepalive_requests 1000000;
+    keepalive_timeout 300s;
+    upstream backend {
+        server 127.0.0.1:%(backend_port)d;
+        keepalive 1024;
+        keepalive_requests 1000000;
+        keepalive_timeout 300s;
+    }
+    server {
+        listen 127.0.0.1:%(port)d backlog=4096;
+        location / {
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 1h;
+            proxy_send_timeout 1h;
+        }
+    }
+}
+"""
+
+Results = dict[str, dict[str, float]]
+Target = Callable[["Plan", subprocess.Popen[Any], int], Results]
 
 
 class Setup:
-    """Cores, the POST generator, and how the guard is started in each mode."""
+    """Cores, the POST generator, and how each target in front of the backend is started.
+
+    ``columns`` are the targets in table order, ``direct`` first; ``targets`` starts each of the
+    others and runs every phase through it. A target that cannot start is dropped with a line in
+    ``notes``, never failing the run.
+    """
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -1026,15 +1273,33 @@ class Setup:
         self.client_pinned = pin(0, self.client_cores) if self.pinning else "not pinned"
         self.guard_pinned = "not pinned"
         self.wrk = shutil.which("wrk") if args.generator != "builtin" else None
+        self.notes: list[str] = []
         if self.wrk:
-            self.generator = f"wrk ({self.wrk}), 1 thread"
+            self.generator = f"wrk ({self.wrk}), 1 thread, Lua script for the body and percentiles"
         else:
             self.generator = "built-in asyncio keep-alive client in the benchmark process"
             if args.generator != "builtin":
                 self.generator += " (wrk is not installed)"
+                self.notes.append("wrk: not installed (Debian: apt-get install wrk)")
+        self.request_headers: tuple[tuple[str, str], ...] = ()
+        self.loose_events = False
+        self.backend_args: list[str] = []
         self.columns = ["direct", "guard static"]
-        if not args.no_dynamic:
+        if not getattr(args, "no_dynamic", True):
             self.columns.append("guard dynamic")
+        self.targets: dict[str, Target] = {
+            mode: functools.partial(self.through_guard, mode) for mode in self.columns[1:]
+        }
+        self.nginx: str | None = None
+        if not getattr(args, "no_nginx", True):
+            self.nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
+            if self.nginx:
+                self.columns.append("nginx")
+                self.targets["nginx"] = self.through_nginx
+            else:
+                self.notes.append(
+                    "nginx: skipped, not installed (Debian: apt-get install nginx-light)"
+                )
 
     def guard_env(self, mode: str, backend_port: int) -> dict[str, str]:
         keep = ("PATH", "HOME", "PYTHONPATH", "LANG")
@@ -1050,7 +1315,7 @@ class Setup:
 
     def guard_command(self, mode: str) -> list[str]:
         command = [sys.executable, "-m", "guard_trio", "serve"]
-        if self.args.profile_guard:
+        if getattr(self.args, "profile_guard", None):
             directory = Path(self.args.profile_guard)
             directory.mkdir(parents=True, exist_ok=True)
             out = directory / f"{mode.replace(' ', '-')}.prof"
@@ -1059,7 +1324,7 @@ class Setup:
 
     def through_guard(
         self, mode: str, plan: Plan, backend: subprocess.Popen[Any], backend_port: int
-    ) -> dict[str, dict[str, float]]:
+    ) -> Results:
         env = self.guard_env(mode, backend_port)
         with tempfile.TemporaryDirectory() as scratch:
             log = Path(scratch) / "guard.log"
@@ -1079,11 +1344,33 @@ class Setup:
                     guard.wait(timeout=10)
         return results
 
-    def measure(self, plan: Plan) -> dict[str, dict[str, dict[str, float]]]:
-        all_runs: dict[str, list[dict[str, dict[str, float]]]] = {c: [] for c in self.columns}
-        backend_command = [sys.executable, str(Path(__file__).resolve()), "--serve-backend"]
-        backend_command += ["--interval-ms", str(self.args.interval_ms)]
-        with process(backend_command, stdout=subprocess.PIPE, text=True) as backend:
+    def through_nginx(
+        self, plan: Plan, backend: subprocess.Popen[Any], backend_port: int
+    ) -> Results:
+        assert self.nginx is not None
+        with tempfile.TemporaryDirectory() as scratch:
+            port = free_port()
+            conf = Path(scratch) / "nginx.conf"
+            conf.write_text(
+                NGINX_CONF % {"dir": scratch, "port": port, "backend_port": backend_port}
+            )
+            log = Path(scratch) / "error.log"
+            command = [self.nginx, "-p", scratch, "-c", str(conf), "-e", str(log)]
+            cores = self.guard_cores if self.pinning else None
+            with process(
+                command, cores=cores, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            ) as nginx:
+                wait_until_listening(port, nginx, 15, log)
+                pids = {"backend": backend.pid, "guard": nginx.pid}
+                return run_target(plan, port, backend_port, pids, self)
+
+    def backend_command(self) -> list[str]:
+        command = [sys.executable, str(Path(__file__).resolve()), "--serve-backend"]
+        return [*command, "--interval-ms", str(self.args.interval_ms), *self.backend_args]
+
+    def measure(self, plan: Plan) -> dict[str, Results]:
+        all_runs: dict[str, list[Results]] = {c: [] for c in self.columns}
+        with process(self.backend_command(), stdout=subprocess.PIPE, text=True) as backend:
             if self.pinning:
                 pin(backend.pid, self.client_cores)
             assert backend.stdout is not None
@@ -1091,20 +1378,37 @@ class Setup:
             for _ in range(self.args.runs):
                 pids = {"backend": backend.pid}
                 all_runs["direct"].append(run_target(plan, backend_port, backend_port, pids, self))
-                for mode in self.columns[1:]:
-                    all_runs[mode].append(self.through_guard(mode, plan, backend, backend_port))
+                for column in self.columns[1:]:
+                    if column not in all_runs:
+                        continue
+                    try:
+                        all_runs[column].append(self.targets[column](plan, backend, backend_port))
+                    except Exception as exc:  # a target that fails is dropped, never the run
+                        reason = str(exc).strip().splitlines() or [type(exc).__name__]
+                        self.notes.append(f"{column}: skipped, it failed: {reason[0][:300]}")
+                        del all_runs[column]
+        self.columns = [c for c in self.columns if c in all_runs]
         return {column: combine(runs) for column, runs in all_runs.items()}
 
 
-def report(
-    setup: Setup,
-    plan: Plan,
-    results: dict[str, dict[str, dict[str, float]]],
-    header: dict[str, float],
-) -> None:
+def tool_version(command: list[str]) -> str:
+    """The first line ``command`` prints (to stdout or stderr), or '' if it cannot run."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return (
+        (done.stdout + done.stderr).strip().splitlines()[0]
+        if (done.stdout + done.stderr).strip()
+        else ""
+    )
+
+
+def print_header(setup: Setup, plan: Plan, title: str, header: dict[str, float]) -> None:
+    """What every table of this file and of bench_peers.py stands on: builds, cores, load."""
     args = setup.args
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
-    print(f"bench_proxy ({name} mode, {args.runs} run(s), {header['elapsed']:.0f} s)")
+    print(f"{title} ({name} mode, {args.runs} run(s), {header['elapsed']:.0f} s)")
     print(f"Python: {platform.python_implementation()} {sys.version.splitlines()[0]}")
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs; guard {setup.guard_pinned}, "
@@ -1117,13 +1421,19 @@ def report(
     print(f"POST load generator: {setup.generator}")
     print(
         f"small POST: {len(POST_BODY)}-byte JSON body to {CHAT.decode()}, "
-        f"{len(ANSWER)}-byte JSON answer"
+        f"{len(ANSWER)}-byte JSON answer; connections: "
+        + ", ".join(str(n) for _, n, _ in plan.post_phases())
     )
+    event = PEER_EVENT if setup.loose_events else EVENT
     print(
-        f"streams: one {len(EVENT % (0, 0.0))}-byte event per stream every "
+        f"streams: one {len(event % (0, 0.0))}-byte event per stream every "
         f"{args.interval_ms:g} ms, all streams in one burst; {plan.stream_seconds:g} s measured "
         f"after {plan.settle_s:g} s settling"
     )
+
+
+def report(setup: Setup, plan: Plan, results: dict[str, Results], header: dict[str, float]) -> None:
+    print_header(setup, plan, "bench_proxy", header)
     print("guard static: DYNAMIC_PIG_ENABLED=false GLOBAL_LIMIT=100000")
     if "guard dynamic" in setup.columns:
         print(
@@ -1131,22 +1441,37 @@ def report(
             " (the learner polls the backend's /metrics, a real idle vLLM 0.10 page, every"
             " second; the gate keeps GLOBAL_LIMIT)"
         )
+    if "nginx" in setup.columns and setup.nginx:
+        version = tool_version([setup.nginx, "-v"]).removeprefix("nginx version: ")
+        print(
+            f"nginx: {version or setup.nginx}, plain reverse proxy, one process pinned to the"
+            " guard's core, proxy_http_version 1.1, upstream keepalive, proxy_buffering off;"
+            " its rows named 'guard' describe that nginx process"
+        )
+    for note in setup.notes:
+        print(f"SKIP {note}" if "skipped" in note or "not installed" in note else note)
     print()
     if plan.post:
-        print("\n".join(table("Small non-streaming POST", setup.columns, results, post_rows())))
+        print("\n".join(table("Small non-streaming POST", setup.columns, results, post_rows(plan))))
     for streams in plan.streams:
         title = f"SSE streaming, {streams} streams x {plan.rate:g} events/s"
         print()
         print("\n".join(table(title, setup.columns, results, stream_rows(streams))))
 
 
-def main() -> int:
-    args = parse_args()
-    if args.serve_backend:
-        return serve_backend(args.interval_ms)
+def raise_file_limit() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # inherited by the children
+
+
+def main() -> int:
+    args = parse_args()
+    if args.serve_backend:
+        return serve_backend(
+            args.interval_ms, peer_events=args.peer_events, model_path=args.model_path
+        )
+    raise_file_limit()
     plan = Plan(args)
     setup = Setup(args)
     started, load_before = time.monotonic(), os.getloadavg()[0]

@@ -80,6 +80,16 @@ class ChunkedBodyReader:
         if self._state == _DONE:
             return ChunkedRead(b"", None, True, bytes(data), b"")
         aligned = self._state == _SIZE and not self._pending
+        if aligned:
+            # Fast path: the piece is exactly one whole canonical chunk (a backend writing one
+            # chunk per event, read as it arrives): the common case on a streaming relay.
+            end = data.find(b"\r\n")
+            if 0 < end <= 20 and _HEX_SIZE.fullmatch(data, 0, end) is not None:
+                chunk_size = int(data[:end], 16)
+                if chunk_size and end + chunk_size + 4 == len(data) and data[-2:] == b"\r\n":
+                    whole = bytes(data)
+                    payload = whole[end + 2 : -2] if want_payload else b""
+                    return ChunkedRead(payload, whole, False, b"", b"")
         buf = self._pending + data if self._pending else data
         self._pending = b""
         forwardable = aligned

@@ -200,6 +200,8 @@ class Environment:
     pig_body_timeout_seconds: float = 60.0
     pig_upstream_head_timeout_seconds: float = 600.0
     pig_upstream_idle_timeout_seconds: float = 300.0
+    #: Paths forwarded without QoS (exact, decoded); empty forwards every path, as PIG does.
+    pig_forward_paths: tuple[str, ...] = ()
     # -- spec 2.2: OpenAI compatibility, auth, upstream errors
     api_auth_enabled: bool = attrs.field(
         default=attrs.Factory(lambda env: bool(env.token), takes_self=True)
@@ -1132,6 +1134,7 @@ def _problems(env: Environment) -> list[_Problem]:
     c.above(f.pig_body_timeout_seconds, 0)
     c.at_least(f.pig_upstream_head_timeout_seconds, 0)
     c.at_least(f.pig_upstream_idle_timeout_seconds, 0)
+    _path_problems(c, f.pig_forward_paths, required=False)
     _feature_problems(c)
     _dynamic_problems(c)
     return c.found

@@ -26,6 +26,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import socket
 from http import HTTPStatus
 
 import attrs
@@ -104,12 +105,16 @@ class Downstream:
         self.peer = peer
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
         self.gone = False
+        #: The non-blocking stdlib socket under a plain TCP stream, for :meth:`send_raw`.
+        self._sock = stdlib_socket(stream)
         self.limits = limits or BodyLimits()
         #: The connection closes after the current response (which says ``Connection: close``).
         self.closing = False
         self._declared: int | None = 0
         self._body_read = 0
         self._body_deadline: float | None = None
+        #: Set once the current request has been read to its end (or the client closed).
+        self._request_read = trio.Event()
 
     async def _receive(self) -> None:
         try:
@@ -126,6 +131,10 @@ class Downstream:
             if event is h11.NEED_DATA:
                 await self._receive()
                 continue
+            if isinstance(event, h11.Request):
+                self._request_read = trio.Event()
+            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                self._request_read.set()
             return event  # type: ignore[return-value]
 
     async def next_request(self, header_timeout_s: float) -> h11.Request | None:
@@ -219,7 +228,9 @@ class Downstream:
             pass
 
     async def send(self, *events: h11.Event) -> None:
-        if self.closing or self.h11.their_state is h11.SEND_BODY:
+        if any(isinstance(event, h11.Response) for event in events) and (
+            self.closing or self.h11.their_state is h11.SEND_BODY
+        ):
             # An early response: the unread body would be parsed as the next request.
             self.closing = True
             events = tuple(_with_close(event) for event in events)
@@ -252,8 +263,20 @@ class Downstream:
         return b"".join(self.h11.send(event) or b"" for event in events)
 
     async def send_raw(self, data: bytes) -> None:
-        """Bytes already framed for the response in progress (the relay's fast path)."""
+        """Bytes already framed for the response in progress (the relay's fast path).
+
+        What the socket takes at once is written without a trip through trio's scheduler; the
+        rest (a slow reader) goes through ``send_all``, which waits for room."""
+        sock = self._sock
         try:
+            if sock is not None:
+                try:
+                    sent = sock.send(data)
+                except BlockingIOError:
+                    sent = 0
+                if sent == len(data):
+                    return
+                data = data[sent:]
             await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.gone = True
@@ -261,7 +284,12 @@ class Downstream:
             raise ClientGone("client went away") from None
 
     async def watch_for_disconnect(self, scope: trio.CancelScope) -> None:
-        """Read while nothing else does; cancel ``scope`` when the client closes."""
+        """Read while nothing else does; cancel ``scope`` when the client closes.
+
+        While the request body is still being read (streamed to the backend), its reader is the
+        one that notices a close; this watcher starts reading once the body has ended.
+        """
+        await self._request_read.wait()
         while not self.gone:
             if len(self.h11.trailing_data[0]) > _MAX_READ_AHEAD:
                 await trio.sleep_forever()  # far enough ahead: the rest waits in the socket
@@ -273,11 +301,13 @@ class Downstream:
         return not self.gone and self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE)
 
     async def close(self) -> None:
-        if not self.gone and self.h11.their_state in (h11.SEND_BODY, h11.ERROR):
-            await self._linger()
-        with trio.move_on_after(0.5) as scope:
-            scope.shield = True
-            await trio.aclose_forcefully(self.stream)
+        try:
+            if not self.gone and self.h11.their_state in (h11.SEND_BODY, h11.ERROR):
+                await self._linger()
+        finally:
+            with trio.move_on_after(0.5) as scope:
+                scope.shield = True
+                await trio.aclose_forcefully(self.stream)
 
     async def _linger(self) -> None:
         """Half-close, then drop what the client still sends (bounded), so that closing with
@@ -322,6 +352,15 @@ def _with_close(event: h11.Event) -> h11.Event:
         reason=event.reason,
         http_version=event.http_version,
     )
+
+
+def stdlib_socket(stream: object) -> socket.socket | None:
+    """The stdlib socket under a trio ``SocketStream`` (None for TLS or other streams).
+
+    trio keeps it non-blocking; reading the private attribute is checked by
+    ``tests/integration/test_fast_paths.py`` so that a trio change fails loudly."""
+    sock = getattr(getattr(stream, "socket", None), "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
 
 
 def _reason(status: int) -> bytes:

@@ -131,6 +131,7 @@ _BRIDGE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 _BACKEND_PAGE_LIMIT = 16 * 1024 * 1024
+_SSE_DEFAULTS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 
 
 def _hop_by_hop(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
@@ -436,9 +437,9 @@ class ProxyApp:
         result: AdmissionResult | None = None
         with trio.CancelScope() as client_scope:
             async with trio.open_nursery() as nursery:
-                if body is not None:
-                    # The request is fully read: from now on, a closed client cancels everything.
-                    nursery.start_soon(down.watch_for_disconnect, client_scope)
+                # Once the request is read to its end (now, or after it is streamed upstream),
+                # a closed client cancels everything: the wait, the upstream exchange.
+                nursery.start_soon(down.watch_for_disconnect, client_scope)
                 result = await self.engine.admit(tier, path=path, body_bytes=length)
                 self.count_decision(result, started)
                 if result.slot is not None:
@@ -480,9 +481,8 @@ class ProxyApp:
         if result.slot is not None:  # pragma: no cover - the reducer is deterministic
             result.slot.release(0)
         self.count_decision(result, started)
-        self.count_refusal(
-            tier, lane, result.code or RejectCode.GLOBAL_DYNAMIC_LIMIT, waited=False
-        )
+        code = result.code or RejectCode.GLOBAL_DYNAMIC_LIMIT
+        self.count_refusal(tier, lane, code, waited=False)
         await self.discard_remaining(down)
         await self.too_many_requests(down)
 
@@ -683,7 +683,7 @@ class ProxyApp:
         body_length: int | None,
         output_tokens: int | None = None,
     ) -> list[tuple[bytes, bytes]]:
-        drop = _hop_by_hop(headers) | {b"host", b"content-length", b"x-forwarded-for"}
+        drop = _hop_by_hop(headers) | {b"host", b"content-length", b"x-forwarded-for", b"expect"}
         out = [
             (name, value)
             for name, value in headers
@@ -871,6 +871,8 @@ class ProxyApp:
         status = event.status_code
         upstream_headers = list(event.headers)
         drop = _hop_by_hop(upstream_headers)
+        if b"transfer-encoding" in {name for name, _ in upstream_headers}:
+            drop = drop | {b"content-length"}  # the chunked framing wins (RFC 9112 6.3)
         headers = [(name, value) for name, value in upstream_headers if name not in drop]
         content_type = next((v for k, v in upstream_headers if k == b"content-type"), b"")
         length = _content_length(upstream_headers)
@@ -879,6 +881,8 @@ class ProxyApp:
                 down, up, event, headers=headers, content_type=content_type, started=started
             )
         is_sse = status == 200 and b"text/event-stream" in content_type.lower()
+        if is_sse:
+            headers = _with_sse_defaults(headers)
         scanner = FirstUsefulEventScanner() if slot is not None and is_sse else None
         keepalive = is_sse and self.sse_keepalive and self.low_load()
         if keepalive:
@@ -1071,7 +1075,6 @@ class ProxyApp:
             if out:
                 await down.send_raw(out)
                 out = b""
-                guard.progress()
             if keepalive:
                 received: bytes | bytearray | None = None
                 with trio.move_on_after(KEEPALIVE_AFTER_S):
@@ -1177,6 +1180,13 @@ def _drain_buffered(up: UpstreamConnection, data: bytes) -> tuple[bytes, bool]:
             return b"".join(parts), False
 
 
+def _with_sse_defaults(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """An event stream tells caches and buffering proxies (nginx) to pass it on at once."""
+    names = {name for name, _ in headers}
+    extra = [pair for pair in _SSE_DEFAULTS if pair[0] not in names]
+    return [*headers, *extra] if extra else headers
+
+
 def _budget(seconds: float) -> float:
     """A timeout setting in seconds, 0 meaning none."""
     return float(seconds) if seconds > 0 else math.inf
@@ -1198,25 +1208,28 @@ class _IdleGuard:
     :class:`ResponseAborted`: both connections are closed.
     """
 
-    __slots__ = ("_armed_at", "_idle_s", "_scope")
+    __slots__ = ("_armed_at", "_idle_s", "_scope", "_step_s")
 
     def __init__(self, idle_s: float) -> None:
         self._idle_s = idle_s
+        #: The deadline moves at most once per step; it may fire up to one step late, never
+        #: early (5 % of the budget, at most half a second).
+        self._step_s = min(0.5, idle_s / 20)
         self._armed_at = 0.0
         self._scope = trio.CancelScope()
 
     def __enter__(self) -> _IdleGuard:
         now = trio.current_time()
         self._armed_at = now
-        self._scope.deadline = now + self._idle_s
+        self._scope.deadline = now + self._idle_s + self._step_s
         self._scope.__enter__()
         return self
 
     def progress(self) -> None:
         now = trio.current_time()
-        if now - self._armed_at > 0.5:
+        if now - self._armed_at > self._step_s:
             self._armed_at = now
-            self._scope.deadline = now + self._idle_s
+            self._scope.deadline = now + self._idle_s + self._step_s
 
     def __exit__(self, *exc_info: object) -> bool:
         suppressed = self._scope.__exit__(*exc_info)  # type: ignore[arg-type]

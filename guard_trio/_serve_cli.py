@@ -79,7 +79,6 @@ async def serve(
                 log.info("signal %s: draining for up to %.0f s", signum, drain_s)
                 with trio.move_on_after(drain_s):
                     async with trio.open_nursery() as drainer:
-                        drainer.start_soon(server.drain, drain_s)
 
                         async def second_signal() -> None:
                             async for _ in signals:

@@ -5,9 +5,15 @@ Guarantees:
 - every connection is served by h11 with keep-alive; a malformed or hostile request head gets
   its status (400, 408, 431) and the connection is closed; an unexpected internal error answers
   the standard 429 when a response is still possible, and never takes the server down;
+- the head must arrive within ``PIG_HEADER_TIMEOUT_SECONDS``; a body over ``PIG_MAX_BODY_BYTES``
+  (declared or counted) gets a JSON 413, one slower than ``PIG_BODY_IDLE_TIMEOUT_SECONDS`` between
+  reads or ``PIG_BODY_TIMEOUT_SECONDS`` in all a JSON 408, when a response can still be sent;
+  the connection is closed after either;
 - the poller runs when dynamic mode is enabled; the status line is logged every
   ``PIG_STATUS_LOG_INTERVAL_SECONDS`` when it is positive;
-- drain (:meth:`GuardServer.drain`): stop accepting, let in-flight requests finish for up to
+- drain (:meth:`GuardServer.drain`): stop accepting, close every idle keep-alive connection at
+  once, mark the busy ones so that their current response says ``Connection: close`` (where its
+  head is still to be sent) and they close after it, let in-flight requests finish for up to
   ``PIG_DRAIN_SECONDS``, then cancel what is left.
 """
 
@@ -24,7 +30,14 @@ import trio
 from guard_adapters.config import Settings
 from guard_adapters.status_line import startup_line, status_line
 from guard_trio import __version__
-from guard_trio._downstream import ClientGone, Downstream, RefusedRequest, ResponseAborted
+from guard_trio._downstream import (
+    BodyLimits,
+    BodyRefused,
+    ClientGone,
+    Downstream,
+    RefusedRequest,
+    ResponseAborted,
+)
 from guard_trio._engine import EngineObserver, GuardEngine
 from guard_trio._observability import CONTENT_TYPE, GuardMetrics
 from guard_trio._poller import MetricsSource, Poller, PollReport
@@ -35,11 +48,16 @@ __all__ = ("GuardServer",)
 
 log = logging.getLogger("inference_guard")
 
-HEADER_TIMEOUT_S = 30.0
 _REASONS = {
     400: b"bad request\n",
     408: b"request timeout\n",
     431: b"request header fields too large\n",
+}
+#: OpenAI-style bodies for the refusals of a request body.
+_BODY_ERRORS = {
+    400: (b"Malformed request body", b"BadRequestError"),
+    408: (b"Request body not received in time", b"RequestTimeoutError"),
+    413: (b"Request body too large", b"RequestTooLargeError"),
 }
 
 
@@ -53,7 +71,7 @@ class GuardServer:
         observer: EngineObserver | None = None,
         on_poll: Callable[[PollReport], None] | None = None,
         local_metrics: Callable[[], bytes] | None = None,
-        header_timeout_s: float = HEADER_TIMEOUT_S,
+        header_timeout_s: float | None = None,
     ) -> None:
         self.settings = settings
         self.engine = GuardEngine(settings.guard_config(), observer=observer)
@@ -72,7 +90,15 @@ class GuardServer:
             local_metrics=local_metrics or self.metrics.exposition,
             metrics_content_type=CONTENT_TYPE.encode(),
         )
-        self.header_timeout_s = header_timeout_s
+        env = settings.env
+        self.header_timeout_s = (
+            float(env.pig_header_timeout_seconds) if header_timeout_s is None else header_timeout_s
+        )
+        self.body_limits = BodyLimits(
+            max_bytes=int(env.pig_max_body_bytes),
+            idle_timeout_s=float(env.pig_body_idle_timeout_seconds),
+            total_timeout_s=float(env.pig_body_timeout_seconds),
+        )
         if settings.backend_routing:
             # Several backends: each is polled under its own name, and its /health too, so that
             # a backend whose engine died stops being chosen even if its /metrics still answers.
@@ -99,6 +125,9 @@ class GuardServer:
         self.active_requests = 0
         self._idle = trio.Event()
         self._idle.set()
+        #: Every open connection, with the cancel scope of its wait for a request head while it
+        #: waits for one (None while a request is being served).
+        self._connections: dict[Downstream, trio.CancelScope | None] = {}
 
     def _account_poll(self, report: PollReport) -> None:
         self.metrics.record_poll(report.at, report.polls, self.engine.state)
@@ -129,38 +158,56 @@ class GuardServer:
             peer = stream.socket.getpeername()[0]
         except OSError:
             peer = ""
-        down = Downstream(stream, str(peer))
+        down = Downstream(stream, str(peer), self.body_limits)
         try:
-            while True:
-                try:
-                    request = await down.next_request(self.header_timeout_s)
-                except RefusedRequest as refused:
-                    if down.can_respond:
-                        body = _REASONS.get(refused.status, b"bad request\n")
-                        headers = [(b"content-type", b"text/plain"), (b"connection", b"close")]
-                        with contextlib.suppress(ClientGone):
-                            await down.respond(refused.status, headers, body)
-                    return
+            while not self.draining:
+                request = None
+                with trio.CancelScope() as waiting:  # drain cancels the wait of an idle one
+                    self._connections[down] = waiting
+                    try:
+                        request = await down.next_request(self.header_timeout_s)
+                    except RefusedRequest as refused:
+                        if down.can_respond:
+                            body = _REASONS.get(refused.status, b"bad request\n")
+                            headers = [(b"content-type", b"text/plain"), (b"connection", b"close")]
+                            with contextlib.suppress(ClientGone):
+                                await down.respond(refused.status, headers, body)
+                        return
+                self._connections[down] = None
                 if request is None:
+                    return
+                down.closing = down.closing or self.draining
+                try:
+                    down.begin_body(request)
+                except BodyRefused as refused:
+                    await _refuse_body(down, refused)
                     return
                 await self.serve_request(down, request)
                 if (
                     down.gone
+                    or down.closing
                     or down.h11.our_state is not h11.DONE
                     or down.h11.their_state is not h11.DONE
                 ):
                     return
                 down.h11.start_next_cycle()
         finally:
+            self._connections.pop(down, None)
             await down.close()
 
     async def serve_request(self, down: Downstream, request: h11.Request) -> None:
         self.active_requests += 1
         self._idle = trio.Event() if self.active_requests == 1 else self._idle
         try:
-            await self.app.handle(down, request)
+            try:
+                await self.app.handle(down, request)
+            except BaseExceptionGroup as group:
+                # A nursery on the request path wraps even a single failure; judge the failure.
+                raise _sole(group) from None
         except ClientGone:
             pass
+        except BodyRefused as refused:
+            await _refuse_body(down, refused)
         except ResponseAborted:
             down.gone = True  # the client sees the connection close before the response ends
         except Exception:
@@ -209,17 +256,45 @@ class GuardServer:
             task_status.started((str(bound[0]), int(bound[1])))
 
     async def drain(self, grace_s: float) -> None:
-        """Stop accepting new connections and wait for in-flight requests, at most ``grace_s``."""
+        """Stop accepting new connections, close the idle ones, and wait for in-flight requests,
+        at most ``grace_s``."""
         self.draining = True
         self._accepting.cancel()
         for listener in self._listeners:
             with contextlib.suppress(trio.ClosedResourceError):
                 await listener.aclose()
+        for down, waiting in self._connections.items():
+            down.closing = True  # the response in progress is its last
+            if waiting is not None:
+                waiting.cancel()
         with trio.move_on_after(grace_s):
             await self._idle.wait()
 
     async def aclose(self) -> None:
         await self.pool.aclose()
+
+
+async def _refuse_body(down: Downstream, refused: BodyRefused) -> None:
+    down.closing = True
+    if not down.can_respond:
+        return
+    message, kind = _BODY_ERRORS.get(refused.status, _BODY_ERRORS[400])
+    body = b'{"error":{"message":"%s","type":"%s","param":null,"code":%d}}\n' % (
+        message,
+        kind,
+        refused.status,
+    )
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+    with contextlib.suppress(ClientGone):
+        await down.respond(refused.status, headers, body)
+
+
+def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception inside nested single-member groups, or the group itself."""
+    found: BaseException = group
+    while isinstance(found, BaseExceptionGroup) and len(found.exceptions) == 1:
+        found = found.exceptions[0]
+    return found
 
 
 def _health_url(upstream: str) -> str:

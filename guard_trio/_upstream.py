@@ -6,6 +6,8 @@ Guarantees:
   may reuse it (h11 says so), with no byte left over after the response; any error, timeout,
   cancellation or desync closes it instead;
 - at most ``max_idle`` idle connections are kept per backend, each for at most ``idle_timeout_s``;
+  one that received anything while idle (stray bytes, or the backend's close) is never reused;
+- at most ten interim (1xx) responses are skipped before the final head;
 - the response head is always parsed by h11; the body can then be read through h11 (``Data``
   events) or, for the relay's fast path, as raw bytes (``receive_raw``), after which
   ``finish_raw_body`` puts h11 back in step;
@@ -15,6 +17,7 @@ Guarantees:
 from __future__ import annotations
 
 import re
+import socket
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator
@@ -26,6 +29,7 @@ import h11
 import trio
 
 from guard_core import GuardError
+from guard_trio._downstream import stdlib_socket
 
 __all__ = ("UpstreamConnection", "UpstreamError", "UpstreamPool", "UpstreamTarget")
 
@@ -33,6 +37,10 @@ _READ_SIZE = 65536
 #: The end of a response head, as h11 finds it (it accepts bare LF line endings).
 _HEAD_END = re.compile(rb"\n\r?\n")
 _MAX_HEAD_BYTES = 64 * 1024
+#: More 1xx responses than this before the final head is a broken backend.
+_MAX_INTERIM = 10
+#: ``receive_raw`` yields to the scheduler at least once every this many reads.
+_YIELD_EVERY = 16
 
 
 class UpstreamError(GuardError):
@@ -76,6 +84,9 @@ class UpstreamConnection:
         self.unparsed = bytearray()
         #: Set when the body was read around h11 and something about it forbids reuse.
         self.poisoned = False
+        self._sock = stdlib_socket(stream)
+        self._eager_reads = 0
+        self._interim = 0
 
     async def send(self, *events: h11.Event) -> None:
         data = b"".join(self.h11.send(event) or b"" for event in events)
@@ -86,14 +97,38 @@ class UpstreamConnection:
                 raise UpstreamError(f"{self.target.name}: send failed ({exc})") from None
 
     async def receive_raw(self) -> bytes | bytearray:
-        """Bytes from the backend, h11 bypassed (``unparsed`` first); b"" at end of stream."""
+        """Bytes from the backend, h11 bypassed (``unparsed`` first); b"" at end of stream.
+
+        After a read that filled the buffer, the next one first tries the socket at once,
+        without a trip through trio's scheduler; every :data:`_YIELD_EVERY` such reads in a row
+        it waits anyway, so that a backend that never pauses cannot starve the other streams.
+        Otherwise it waits for the socket to be readable (one scheduler trip per read)."""
         if self.unparsed:
             data = bytes(self.unparsed)
             self.unparsed.clear()
             return data
+        sock = self._sock
         try:
-            return await self.stream.receive_some(_READ_SIZE)
-        except (trio.BrokenResourceError, OSError) as exc:
+            if sock is None:
+                return await self.stream.receive_some(_READ_SIZE)
+            if 0 < self._eager_reads < _YIELD_EVERY:
+                # The last read filled the buffer or found bytes waiting: more may be there.
+                try:
+                    data = sock.recv(_READ_SIZE)
+                except BlockingIOError:
+                    pass
+                else:
+                    self._eager_reads += 1
+                    return data
+            while True:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    data = sock.recv(_READ_SIZE)
+                except BlockingIOError:  # woken without data: wait again
+                    continue
+                self._eager_reads = 1 if len(data) == _READ_SIZE else 0
+                return data
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise UpstreamError(f"{self.target.name}: connection lost ({exc})") from None
 
     async def read_head(self) -> h11.Response:
@@ -122,6 +157,9 @@ class UpstreamConnection:
             except h11.RemoteProtocolError as exc:
                 raise UpstreamError(f"bad response from {self.target.name}: {exc}") from None
             if isinstance(event, h11.InformationalResponse):
+                self._interim += 1
+                if self._interim > _MAX_INTERIM:
+                    raise UpstreamError(f"{self.target.name}: too many interim responses")
                 continue
             if isinstance(event, h11.Response):
                 return event
@@ -174,6 +212,20 @@ class UpstreamConnection:
             assert not isinstance(event, type(h11.PAUSED))
             return event  # type: ignore[return-value]
 
+    def quiet_while_idle(self) -> bool:
+        """Nothing arrived while the connection sat in the pool: no stray bytes (a desync) and
+        no close from the backend (its keep-alive timeout). TLS connections are not checked."""
+        sock = self._sock
+        if sock is None:
+            return True
+        try:
+            sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False  # bytes, or b"" for a closed connection
+
     @property
     def reusable(self) -> bool:
         return (
@@ -225,7 +277,7 @@ class UpstreamPool:
         now = trio.current_time()
         while idle:
             connection = idle.pop()
-            if now - connection.idle_since <= self.idle_timeout_s:
+            if now - connection.idle_since <= self.idle_timeout_s and connection.quiet_while_idle():
                 connection.reused = True
                 return connection
             trio.lowlevel.spawn_system_task(connection.aclose)
@@ -252,6 +304,10 @@ class UpstreamPool:
                 idle.append(connection)
                 return
         await connection.aclose()
+
+    def idle_count(self, name: str) -> int:
+        """Idle connections kept for the backend ``name``."""
+        return len(self._idle.get(name, ()))
 
     async def aclose(self) -> None:
         for idle in self._idle.values():
