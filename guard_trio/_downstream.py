@@ -118,7 +118,7 @@ class Downstream:
 
     async def _receive(self) -> None:
         try:
-            data = await self.stream.receive_some(_READ_SIZE)
+            data = await receive_fast(self.stream, self._sock)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             data = b""
         if not data:
@@ -238,7 +238,7 @@ class Downstream:
         if not data:
             return
         try:
-            await self.stream.send_all(data)
+            await send_fast(self.stream, self._sock, data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.gone = True
             self.h11.send_failed()
@@ -267,17 +267,8 @@ class Downstream:
 
         What the socket takes at once is written without a trip through trio's scheduler; the
         rest (a slow reader) goes through ``send_all``, which waits for room."""
-        sock = self._sock
         try:
-            if sock is not None:
-                try:
-                    sent = sock.send(data)
-                except BlockingIOError:
-                    sent = 0
-                if sent == len(data):
-                    return
-                data = data[sent:]
-            await self.stream.send_all(data)
+            await send_fast(self.stream, self._sock, data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.gone = True
             self.h11.send_failed()
@@ -352,6 +343,33 @@ def _with_close(event: h11.Event) -> h11.Event:
         reason=event.reason,
         http_version=event.http_version,
     )
+
+
+async def send_fast(stream: trio.abc.Stream, sock: socket.socket | None, data: bytes) -> None:
+    """``stream.send_all(data)``, except that what the socket takes at once is written without
+    a trip through trio's scheduler; the rest (a slow reader) waits for room as usual."""
+    if sock is not None:
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        data = data[sent:]
+    await stream.send_all(data)
+
+
+async def receive_fast(stream: trio.abc.Stream, sock: socket.socket | None) -> bytes:
+    """``stream.receive_some()``, as one wait for readability and one ``recv`` (trio's own
+    version tries the ``recv`` first and passes through the scheduler once more after it)."""
+    if sock is None:
+        return bytes(await stream.receive_some(_READ_SIZE))
+    while True:
+        await trio.lowlevel.wait_readable(sock)
+        try:
+            return sock.recv(_READ_SIZE)
+        except BlockingIOError:  # woken without data: wait again
+            continue
 
 
 def stdlib_socket(stream: object) -> socket.socket | None:

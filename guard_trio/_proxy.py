@@ -15,7 +15,8 @@ Guarantees:
 - the token check compares SHA-256 digests in constant time (no length leak, no error on
   non-ASCII bytes);
 - a request the gate would refuse at once (no wait possible) is refused before its body is
-  read or parsed, with ``Connection: close`` when body bytes remain unread;
+  parsed, and before it is read unless it is short (at most 64 KiB declared), with
+  ``Connection: close`` when body bytes remain unread;
 - exactly one response per request, or none when the client already left; a slot taken for a
   request is released exactly once on every path (success, error, timeout, cancellation);
 - refusals, upstream failures before the response head and internal errors all answer PIG's
@@ -78,7 +79,7 @@ from guard_core.lanes import (
 )
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
 from guard_trio._attestation import AttestationHandler
-from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
+from guard_trio._downstream import EARLY_DRAIN_BYTES, ClientGone, Downstream, ResponseAborted
 from guard_trio._engine import AdmissionResult, GuardEngine, Slot
 from guard_trio._http import fetch
 from guard_trio._observability import BackendMetrics, GuardMetrics
@@ -116,6 +117,14 @@ _HOP_BY_HOP = frozenset(
 _BUFFER_LIMIT = 2 * 1024 * 1024
 #: ``rewrite_body``'s answer when the request must be refused (fail-closed injection).
 _REFUSE = object()
+#: ``rewrite_body``'s answer for a JSON body in UTF-16 or UTF-32: the backend would read it,
+#: the rewrite cannot, so forwarding it would let a client choose its own priority.
+_BAD_ENCODING = object()
+_UTF8_BOM = b"\xef\xbb\xbf"
+BAD_ENCODING_BODY = (
+    b'{"error":{"message":"The request body must be JSON encoded as UTF-8",'
+    b'"type":"BadRequestError","param":null,"code":400}}\n'
+)
 #: Buffered rewrites of bodies larger than this run in a worker thread.
 _REWRITE_IN_THREAD_BYTES = 256 * 1024
 #: ``SSE_KEEPALIVE_ENABLED``: the comment sent after this long without upstream data.
@@ -131,6 +140,7 @@ _BRIDGE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 _BACKEND_PAGE_LIMIT = 16 * 1024 * 1024
+_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 _SSE_DEFAULTS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 
 
@@ -418,7 +428,10 @@ class ProxyApp:
         lane = body_lane(length, self.body_thresholds)
         self.metrics.lanes[lane].observe_body(length)
         path = request.target.decode("latin-1").partition("?")[0]
-        if self.refused_at_once(tier):
+        # A short body costs nothing to read (a refusal drops it anyway and keeps the
+        # connection); a long one, or one the classifier would parse, is worth a peek first.
+        worth_a_peek = length is None or length > EARLY_DRAIN_BYTES or self.classify
+        if worth_a_peek and self.refused_at_once(tier):
             # Decided from the head alone: the body is neither read nor parsed for a 429.
             await self.refuse_early(down, tier, lane, path=path, length=length)
             return
@@ -536,6 +549,11 @@ class ProxyApp:
                 if plan.uses_slot:
                     self.rewrites_in_flight -= 1
                     metrics.priority_rewrite_inflight.dec()
+            if rewritten is _BAD_ENCODING:
+                await self.discard_remaining(down)
+                await down.respond(400, [_JSON], BAD_ENCODING_BODY)
+                status = 400
+                return
             if rewritten is _REFUSE:
                 self.count_refusal(
                     slot.tier, lane, RejectCode.BACKEND_PRIORITY_INJECTION, waited=False
@@ -607,6 +625,12 @@ class ProxyApp:
             body, _complete = await self.read_body(down, length)
         started = trio.current_time()
         joined = b"".join(body)
+        if joined.startswith(_UTF8_BOM):
+            # The backend's JSON parser skips a byte order mark; so does the rewrite, or a body
+            # carrying its own priority would slip past it (and through fail-open) unchanged.
+            joined = joined[len(_UTF8_BOM) :]
+        elif _foreign_json_encoding(joined):
+            return _BAD_ENCODING
         try:
             if len(joined) > _REWRITE_IN_THREAD_BYTES:
                 # Tens of milliseconds of CPU: a worker thread keeps other streams moving meanwhile.
@@ -753,23 +777,32 @@ class ProxyApp:
             and self.low_load()
         )
         # A request whose body we hold (or that has none) can be sent again when a kept-alive
-        # connection turns out to be closed before any byte of the response came back.
+        # connection fails before the request was fully written. Once it was written, only an
+        # idempotent one is: a POST the backend may have started must not generate twice.
         replayable = body is not None or body_length == 0
+        idempotent = request.method in _IDEMPOTENT
         try:
             with trio.move_on_after(self.proxy_timeout_s) as deadline:
                 for attempt in range(2):
-                    reused = False
+                    reused = written = False
                     try:
                         async with self.pool.connection(target, fresh=attempt > 0) as up:
                             reused = up.reused
                             await up.send(upstream_request)
                             await self.send_body(down, up, body, rewriter)
+                            written = True
                             status = await self.relay_response(
                                 down, up, slot, proxy_started, method=request.method, bridge=bridge
                             )
                         break
                     except UpstreamError:
-                        if attempt == 0 and reused and replayable and down.can_respond:
+                        if (
+                            attempt == 0
+                            and reused
+                            and replayable
+                            and (idempotent or not written)
+                            and down.can_respond
+                        ):
                             continue
                         return await self.upstream_failed(down, backend)
             if deadline.cancelled_caught:
@@ -1185,6 +1218,13 @@ def _with_sse_defaults(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, 
     names = {name for name, _ in headers}
     extra = [pair for pair in _SSE_DEFAULTS if pair[0] not in names]
     return [*headers, *extra] if extra else headers
+
+
+def _foreign_json_encoding(body: bytes) -> bool:
+    """UTF-16 or UTF-32 JSON (a byte order mark, or a NUL among the first bytes, as
+    ``json.loads`` detects them)."""
+    head = body[:4]
+    return head.startswith((b"\xff\xfe", b"\xfe\xff")) or (len(head) >= 2 and b"\x00" in head)
 
 
 def _budget(seconds: float) -> float:

@@ -29,7 +29,7 @@ import h11
 import trio
 
 from guard_core import GuardError
-from guard_trio._downstream import stdlib_socket
+from guard_trio._downstream import receive_fast, send_fast, stdlib_socket
 
 __all__ = ("UpstreamConnection", "UpstreamError", "UpstreamPool", "UpstreamTarget")
 
@@ -92,7 +92,7 @@ class UpstreamConnection:
         data = b"".join(self.h11.send(event) or b"" for event in events)
         if data:
             try:
-                await self.stream.send_all(data)
+                await send_fast(self.stream, self._sock, data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise UpstreamError(f"{self.target.name}: send failed ({exc})") from None
 
@@ -120,14 +120,9 @@ class UpstreamConnection:
                 else:
                     self._eager_reads += 1
                     return data
-            while True:
-                await trio.lowlevel.wait_readable(sock)
-                try:
-                    data = sock.recv(_READ_SIZE)
-                except BlockingIOError:  # woken without data: wait again
-                    continue
-                self._eager_reads = 1 if len(data) == _READ_SIZE else 0
-                return data
+            data = await receive_fast(self.stream, sock)
+            self._eager_reads = 1 if len(data) == _READ_SIZE else 0
+            return data
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise UpstreamError(f"{self.target.name}: connection lost ({exc})") from None
 
@@ -142,7 +137,7 @@ class UpstreamConnection:
                 if len(self.unparsed) > _MAX_HEAD_BYTES:
                     raise UpstreamError(f"{self.target.name}: response head too large")
                 try:
-                    data = await self.stream.receive_some(_READ_SIZE)
+                    data = await receive_fast(self.stream, self._sock)
                 except (trio.BrokenResourceError, OSError) as exc:
                     raise UpstreamError(f"{self.target.name}: connection lost ({exc})") from None
                 if not data:
@@ -202,7 +197,7 @@ class UpstreamConnection:
                 raise UpstreamError(f"bad response from {self.target.name}: {exc}") from None
             if event is h11.NEED_DATA:
                 try:
-                    data = await self.stream.receive_some(_READ_SIZE)
+                    data = await receive_fast(self.stream, self._sock)
                 except (trio.BrokenResourceError, OSError) as exc:
                     raise UpstreamError(f"{self.target.name}: connection lost ({exc})") from None
                 self.h11.receive_data(bytes(data))

@@ -158,6 +158,41 @@ def start_upstream(
     return start
 
 
+_OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
+
+
+def ok_backend(bodies: list[bytes]) -> ConnectionScript:
+    """A keep-alive backend that records each Content-Length request body and answers 200."""
+
+    async def script(stream: trio.SocketStream, upstream: CountingUpstream) -> None:
+        while True:
+            data = await upstream.read_head(stream)
+            head, found, rest = data.partition(b"\r\n\r\n")
+            if not found:
+                return
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            body = bytearray(rest)
+            while len(body) < length:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    return
+                body += chunk
+            bodies.append(bytes(body[:length]))
+            await stream.send_all(_OK)
+
+    return script
+
+
+@pytest.fixture
+def recording_backend() -> Callable[[list[bytes]], ConnectionScript]:
+    """``recording_backend(bodies)``: see :func:`ok_backend`."""
+    return ok_backend
+
+
 @pytest.fixture
 def figure(request: pytest.FixtureRequest) -> Callable[..., None]:
     """``figure("T3", "one 16,385-byte header", "431 in 2.1 ms", "431 within 100 ms")``."""
@@ -183,7 +218,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _FIGURES:
         return
     terminalreporter.section("hostile-input figures (reliability catalogue)")
-    for entry in sorted(_FIGURES, key=lambda e: (int(e["row"].lstrip("T") or 0), e["case"])):
+    def order(entry: dict[str, str]) -> tuple[str, int, str]:
+        row = entry["row"]
+        digits = row.lstrip("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        return (row[: len(row) - len(digits)], int(digits or 0), entry["case"])
+
+    for entry in sorted(_FIGURES, key=order):
         terminalreporter.write_line(
             f"{entry['row']:<4} {entry['case'][:48]:<48} {entry['measured'][:34]:<34} "
             f"[{entry['criterion']}]"

@@ -1,0 +1,77 @@
+"""Reuse of kept-alive backend connections (catalogue F10 and T30's replay finding).
+
+- a backend that closed an idle kept-alive connection is noticed before the connection is
+  reused: the next request goes out on a fresh connection and succeeds, sent once;
+- a POST fully written on a reused connection that the backend then drops is never sent
+  again (the backend may already be generating): the client gets the 429, the backend saw the
+  request once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+HEADERS = [("Content-Type", "application/json")]
+OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
+
+
+async def _read_request(stream: trio.SocketStream, upstream: Any) -> bool:
+    """Read one request with a Content-Length body; False at end of stream."""
+    data = await upstream.read_head(stream)
+    head, found, rest = data.partition(b"\r\n\r\n")
+    if not found:
+        return False
+    length = next(
+        int(line.partition(b":")[2])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    body = bytearray(rest)
+    while len(body) < length:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return False
+        body += chunk
+    return True
+
+
+async def test_a_connection_the_backend_closed_while_idle_is_not_reused(
+    start_upstream: Any, start_guard: Any, http: Any, figure: Any
+) -> None:
+    async def answer_once_then_close(stream: trio.SocketStream, up: Any) -> None:
+        if await _read_request(stream, up):
+            await stream.send_all(OK)  # keep-alive by default, then close at once
+
+    upstream = await start_upstream(answer_once_then_close)
+    base, _ = await start_guard({"UPSTREAM": upstream.base}, poll=False)
+    for _ in range(3):
+        reply = await http.request(base, "POST", "/v1/chat/completions", HEADERS, BODY)
+        assert reply.status == 200
+        await trio.sleep(0.05)  # the backend's close reaches the guard while idle
+    assert upstream.requests == 3  # each sent once
+    assert upstream.connections == 3
+    figure("F10", "backend closed an idle kept-alive connection", "3/3 200, 0 replays", "no 429")
+
+
+async def test_a_written_post_on_a_reused_connection_is_never_replayed(
+    start_upstream: Any, start_guard: Any, http: Any, figure: Any
+) -> None:
+    async def drop_the_second(stream: trio.SocketStream, up: Any) -> None:
+        if await _read_request(stream, up):
+            await stream.send_all(OK)
+        if await _read_request(stream, up):
+            return  # read the whole second request, then drop the connection unanswered
+        return
+
+    upstream = await start_upstream(drop_the_second)
+    base, _ = await start_guard({"UPSTREAM": upstream.base}, poll=False)
+    first = await http.request(base, "POST", "/v1/chat/completions", HEADERS, BODY)
+    assert first.status == 200
+    second = await http.request(base, "POST", "/v1/chat/completions", HEADERS, BODY)
+    assert second.status == 429
+    await trio.sleep(0.05)
+    assert upstream.requests == 2  # the dropped POST was not sent a second time
+    figure("T30", "POST dropped on a reused connection", "429, sent once", "never replayed")
