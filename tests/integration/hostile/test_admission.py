@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import threading
 import time
@@ -726,8 +727,10 @@ def test_t30_slot_accounting_under_random_interleavings(figure: Any) -> None:
             run_state_machine_as_test(
                 SlotAccounting,
                 settings=settings(
-                    max_examples=15,
-                    stateful_step_count=15,
+                    # CI runs a short sample; T30_EXAMPLES=200 T30_STEPS=30 is the catalogue's
+                    # full size (about 10 minutes here).
+                    max_examples=int(os.environ.get("T30_EXAMPLES", "15")),
+                    stateful_step_count=int(os.environ.get("T30_STEPS", "15")),
                     deadline=None,
                     suppress_health_check=[HealthCheck.too_slow],
                     database=None,
