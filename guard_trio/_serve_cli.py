@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -109,9 +110,24 @@ def run(args: argparse.Namespace) -> int:
         datefmt="%Y/%m/%d %H:%M:%S",
         stream=sys.stderr,
     )
+    _tune_garbage_collector()
     try:
         trio.run(serve, settings)
     except OSError as error:
         sys.stderr.write(f"inference-guard serve: {error}\n")
         return 1
     return 0
+
+
+def _tune_garbage_collector() -> None:
+    """Fewer, cheaper collections on the hot path.
+
+    Everything loaded at start-up (modules, settings, compiled patterns) is moved out of the
+    collector's sight, and the young generation is collected every 20,000 allocations instead of
+    700: a relayed event allocates a few objects and creates no cycles, so the default threshold
+    made the collector run every few hundred events and scan every live stream's objects.
+    Cycles (cancelled tasks, exception tracebacks) are still collected, just in larger batches.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)

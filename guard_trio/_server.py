@@ -250,6 +250,7 @@ class GuardServer:
                     )
 
             nursery.start_soon(accept)
+            nursery.start_soon(self.pool.sweep_every, _POOL_SWEEP_S)
             nursery.start_soon(
                 self.log_status, float(self.settings.env.pig_status_log_interval_seconds)
             )
@@ -295,6 +296,10 @@ def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
     while isinstance(found, BaseExceptionGroup) and len(found.exceptions) == 1:
         found = found.exceptions[0]
     return found
+
+
+#: How often idle backend connections are checked for a close from the backend.
+_POOL_SWEEP_S = 2.0
 
 
 def _health_url(upstream: str) -> str:

@@ -278,6 +278,32 @@ class UpstreamPool:
             trio.lowlevel.spawn_system_task(connection.aclose)
         return None
 
+    def sweep(self) -> int:
+        """Close idle connections that expired or that the backend closed (or wrote to) while
+        they waited; returns how many. Called periodically, so a backend restart does not leave
+        a pool of half-closed sockets behind until each is taken."""
+        closed = 0
+        now = trio.current_time()
+        for idle in self._idle.values():
+            keep = deque(
+                c
+                for c in idle
+                if now - c.idle_since <= self.idle_timeout_s and c.quiet_while_idle()
+            )
+            for connection in idle:
+                if connection not in keep:
+                    trio.lowlevel.spawn_system_task(connection.aclose)
+                    closed += 1
+            idle.clear()
+            idle.extend(keep)
+        return closed
+
+    async def sweep_every(self, interval_s: float) -> None:
+        """:meth:`sweep` forever, every ``interval_s`` seconds."""
+        while True:
+            await trio.sleep(interval_s)
+            self.sweep()
+
     @asynccontextmanager
     async def connection(
         self, target: UpstreamTarget, *, fresh: bool = False

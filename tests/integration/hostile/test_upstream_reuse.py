@@ -75,3 +75,32 @@ async def test_a_written_post_on_a_reused_connection_is_never_replayed(
     await trio.sleep(0.05)
     assert upstream.requests == 2  # the dropped POST was not sent a second time
     figure("T30", "POST dropped on a reused connection", "429, sent once", "never replayed")
+
+
+async def test_idle_connections_the_backend_closed_are_swept_without_traffic(
+    start_upstream: Any, start_guard: Any, http: Any, until: Any, figure: Any
+) -> None:
+    release = trio.Event()
+
+    async def answer_then_close_later(stream: trio.SocketStream, up: Any) -> None:
+        if await _read_request(stream, up):
+            await stream.send_all(OK)
+            await release.wait()  # then close: the guard holds the connection idle meanwhile
+
+    upstream = await start_upstream(answer_then_close_later)
+    base, server = await start_guard({"UPSTREAM": upstream.base}, poll=False)
+    name = server.settings.backends[0].name
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(http.request, base, "POST", "/v1/chat/completions", HEADERS, BODY)
+    assert server.pool.idle_count(name) == 4
+    release.set()  # the backend closes all four (a restart, or its keep-alive timeout)
+    started = trio.current_time()
+    await until(lambda: server.pool.idle_count(name) == 0, timeout_s=10)
+    took = trio.current_time() - started
+    figure(
+        "F10",
+        "idle pool after the backend closed 4 connections",
+        f"swept in {took:.1f} s",
+        "no half-closed sockets kept",
+    )
