@@ -218,6 +218,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _FIGURES:
         return
     terminalreporter.section("hostile-input figures (reliability catalogue)")
+
     def order(entry: dict[str, str]) -> tuple[str, int, str]:
         row = entry["row"]
         digits = row.lstrip("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
