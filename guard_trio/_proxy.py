@@ -707,14 +707,20 @@ class ProxyApp:
         body_length: int | None,
         output_tokens: int | None = None,
     ) -> list[tuple[bytes, bytes]]:
-        drop = _hop_by_hop(headers) | {b"host", b"content-length", b"x-forwarded-for", b"expect"}
+        hop_by_hop = _hop_by_hop(headers)
+        drop = hop_by_hop | {b"host", b"content-length", b"x-forwarded-for", b"expect"}
         out = [
             (name, value)
             for name, value in headers
             if name not in drop and not name.startswith(b"x-pig-")
         ]
         out.insert(0, (b"host", target.authority.encode()))
-        forwarded = b", ".join([*_header_values(headers, b"x-forwarded-for"), down.peer.encode()])
+        # A client that names X-Forwarded-For in Connection asks for its value to be dropped at
+        # this hop: only the socket peer remains (as Go's reverse proxy does).
+        client_chain = (
+            [] if b"x-forwarded-for" in hop_by_hop else _header_values(headers, b"x-forwarded-for")
+        )
+        forwarded = b", ".join([*client_chain, down.peer.encode()])
         out.append((b"x-forwarded-for", forwarded))
         out.append((b"x-pig-backend", target.name.encode()))
         if tier is not None:

@@ -1,10 +1,13 @@
-"""Reuse of kept-alive backend connections (catalogue F10 and T30's replay finding).
+"""Backend connections: reuse (catalogue F10 and T30's replay finding) and forwarding headers.
 
 - a backend that closed an idle kept-alive connection is noticed before the connection is
-  reused: the next request goes out on a fresh connection and succeeds, sent once;
+  reused: the next request goes out on a fresh connection and succeeds, sent once; idle
+  connections the backend closed are swept from the pool without waiting for traffic;
 - a POST fully written on a reused connection that the backend then drops is never sent
   again (the backend may already be generating): the client gets the 429, the backend saw the
-  request once.
+  request once;
+- T15 follow-up: an ``X-Forwarded-For`` the client names in ``Connection`` is dropped at this
+  hop, so the backend sees only the socket peer.
 """
 
 from __future__ import annotations
@@ -104,3 +107,21 @@ async def test_idle_connections_the_backend_closed_are_swept_without_traffic(
         f"swept in {took:.1f} s",
         "no half-closed sockets kept",
     )
+
+
+async def test_x_forwarded_for_named_in_connection_keeps_only_the_peer(
+    start_upstream: Any, start_guard: Any, http: Any, recording_backend: Any
+) -> None:
+    upstream = await start_upstream(recording_backend([]))
+    base, _ = await start_guard({"UPSTREAM": upstream.base}, poll=False)
+    for connection, expected in (
+        ("keep-alive", b"x-forwarded-for: 10.9.9.9, 127.0.0.1"),
+        ("keep-alive, X-Forwarded-For", b"x-forwarded-for: 127.0.0.1"),
+    ):
+        received = len(upstream.received)
+        headers = [*HEADERS, ("X-Forwarded-For", "10.9.9.9"), ("Connection", connection)]
+        reply = await http.request(base, "POST", "/v1/chat/completions", headers, BODY)
+        assert reply.status == 200
+        head = bytes(upstream.received[received:]).lower()
+        assert expected in head, head
+        assert head.count(b"x-forwarded-for") == 1
