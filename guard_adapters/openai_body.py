@@ -76,6 +76,7 @@ __all__ = (
     "Plan",
     "PlanAction",
     "StreamingRewriter",
+    "as_utf8_json",
     "buffer_bucket",
     "is_json_content_type",
     "output_token_intent",
@@ -980,6 +981,22 @@ class _Scanner:
 
 def _as_bytes(data: bytes | bytearray | memoryview) -> bytes:
     return data if type(data) is bytes else bytes(data)
+
+
+_UTF8_BOM: Final = b"\xef\xbb\xbf"
+
+
+def as_utf8_json(body: bytes) -> bytes | None:
+    """``body`` as the rewrite must read it to see what the backend will see: a UTF-8 byte
+    order mark dropped (JSON parsers skip it, so a client's own priority behind one must not
+    slip past the rewrite), or None for JSON in UTF-16 or UTF-32 (a byte order mark, or a NUL
+    among the first bytes, as ``json.loads`` detects them), which the rewrite cannot read."""
+    if body.startswith(_UTF8_BOM):
+        return body[len(_UTF8_BOM) :]
+    head = body[:4]
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or (len(head) >= 2 and b"\x00" in head):
+        return None
+    return body
 
 
 def rewrite(body: bytes | bytearray | memoryview, *, plan: Plan) -> bytes:

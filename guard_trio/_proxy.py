@@ -36,7 +36,7 @@ import hashlib
 import hmac
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from urllib.parse import unquote
 
@@ -50,6 +50,7 @@ from guard_adapters.openai_body import (
     InjectionPolicy,
     Plan,
     StreamingRewriter,
+    as_utf8_json,
     output_token_intent,
     rewrite,
 )
@@ -87,17 +88,25 @@ from guard_trio._upstream import UpstreamConnection, UpstreamError, UpstreamPool
 
 __all__ = ("TOO_MANY_REQUESTS_BODY", "ProxyApp")
 
-TOO_MANY_REQUESTS_BODY = (
-    b'{"error":{"message":"Too many requests","type":"TooManyRequestsError",'
-    b'"param":null,"code":429}}\n'
+
+def openai_error(message: bytes, kind: bytes, code: int) -> bytes:
+    """An OpenAI-style error body (PIG's shape): what every refusal of the guard answers."""
+    return b'{"error":{"message":"%b","type":"%b","param":null,"code":%d}}\n' % (
+        message,
+        kind,
+        code,
+    )
+
+
+TOO_MANY_REQUESTS_BODY = openai_error(b"Too many requests", b"TooManyRequestsError", 429)
+GATEWAY_TIMEOUT_BODY = openai_error(
+    b"The backend did not answer in time", b"GatewayTimeoutError", 504
 )
-GATEWAY_TIMEOUT_BODY = (
-    b'{"error":{"message":"The backend did not answer in time","type":"GatewayTimeoutError",'
-    b'"param":null,"code":504}}\n'
+UNAUTHORIZED_JSON = openai_error(
+    b"Invalid or missing Authorization header", b"AuthenticationError", 401
 )
-UNAUTHORIZED_JSON = (
-    b'{"error":{"message":"Invalid or missing Authorization header","type":"AuthenticationError",'
-    b'"param":null,"code":401}}\n'
+BAD_ENCODING_BODY = openai_error(
+    b"The request body must be JSON encoded as UTF-8", b"BadRequestError", 400
 )
 _JSON = (b"content-type", b"application/json")
 _TEXT = (b"content-type", b"text/plain; charset=utf-8")
@@ -120,11 +129,6 @@ _REFUSE = object()
 #: ``rewrite_body``'s answer for a JSON body in UTF-16 or UTF-32: the backend would read it,
 #: the rewrite cannot, so forwarding it would let a client choose its own priority.
 _BAD_ENCODING = object()
-_UTF8_BOM = b"\xef\xbb\xbf"
-BAD_ENCODING_BODY = (
-    b'{"error":{"message":"The request body must be JSON encoded as UTF-8",'
-    b'"type":"BadRequestError","param":null,"code":400}}\n'
-)
 #: Buffered rewrites of bodies larger than this run in a worker thread.
 _REWRITE_IN_THREAD_BYTES = 256 * 1024
 #: ``SSE_KEEPALIVE_ENABLED``: the comment sent after this long without upstream data.
@@ -624,12 +628,8 @@ class ProxyApp:
             assert length is not None
             body, _complete = await self.read_body(down, length)
         started = trio.current_time()
-        joined = b"".join(body)
-        if joined.startswith(_UTF8_BOM):
-            # The backend's JSON parser skips a byte order mark; so does the rewrite, or a body
-            # carrying its own priority would slip past it (and through fail-open) unchanged.
-            joined = joined[len(_UTF8_BOM) :]
-        elif _foreign_json_encoding(joined):
+        joined = as_utf8_json(b"".join(body))
+        if joined is None:
             return _BAD_ENCODING
         try:
             if len(joined) > _REWRITE_IN_THREAD_BYTES:
@@ -754,8 +754,6 @@ class ProxyApp:
         body_length = sum(len(c) for c in body) if body is not None else _content_length(headers)
         if rewriter is not None:
             body_length = None  # the rewritten body goes upstream chunked
-        if body is None and request.method in (b"GET", b"HEAD") and body_length is None:
-            body_length = 0 if not _header_values(headers, b"transfer-encoding") else None
         upstream_request = h11.Request(
             method=request.method,
             target=target.base_path.encode() + request.target,
@@ -901,7 +899,9 @@ class ProxyApp:
             with trio.move_on_after(BRIDGE_GRACE_S):
                 event = await up.read_head()
             if event is None:
-                return await self.relay_bridged(down, up, slot, started, head_deadline)
+                return await self.relay_bridged(
+                    down, up, slot, started, head_deadline, method=method
+                )
         if event is None:
             with trio.move_on_at(head_deadline):
                 event = await up.read_head()
@@ -910,7 +910,7 @@ class ProxyApp:
         status = event.status_code
         upstream_headers = list(event.headers)
         drop = _hop_by_hop(upstream_headers)
-        if b"transfer-encoding" in {name for name, _ in upstream_headers}:
+        if _header_values(upstream_headers, b"transfer-encoding"):
             drop = drop | {b"content-length"}  # the chunked framing wins (RFC 9112 6.3)
         headers = [(name, value) for name, value in upstream_headers if name not in drop]
         content_type = next((v for k, v in upstream_headers if k == b"content-type"), b"")
@@ -929,25 +929,41 @@ class ProxyApp:
             headers = _without_length(headers)
         head = h11.Response(status_code=status, headers=headers, reason=event.reason)
         self.metrics.proxy_ttfb.observe(trio.current_time() - started)
-        raw = (
-            _is_chunked(upstream_headers)
+        await self.relay_body(
+            down, up, event, head, method=method, scanner=scanner, slot=slot, keepalive=keepalive
+        )
+        return status
+
+    async def relay_body(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        upstream: h11.Response,
+        head: h11.Response | None,
+        *,
+        method: bytes,
+        scanner: FirstUsefulEventScanner | None,
+        slot: Slot | None,
+        keepalive: bool = False,
+    ) -> None:
+        """The response body after ``upstream``'s head, with ``head`` first (None when the client
+        already has its head), under the idle timeout: through the chunked fast path when both
+        sides frame the body as chunks, through h11 otherwise."""
+        fast = (
+            _is_chunked(upstream.headers)
             and method != b"HEAD"
-            and status not in (204, 304)
+            and upstream.status_code not in (204, 304)
             and down.h11.their_http_version == b"1.1"
         )
-        with self.idle_guard() as guard:
-            if raw:
+        with _IdleGuard(self.upstream_idle_timeout_s) as guard:
+            if fast:
                 await self.copy_chunked(
                     down, up, head, scanner=scanner, slot=slot, keepalive=keepalive, guard=guard
                 )
-            elif await self.send_head(down, up, head, scanner=scanner, slot=slot):
+            elif head is None or await self.send_head(down, up, head, scanner=scanner, slot=slot):
                 await self.copy_body(
                     down, up, scanner=scanner, slot=slot, keepalive=keepalive, guard=guard
                 )
-        return status
-
-    def idle_guard(self) -> _IdleGuard:
-        return _IdleGuard(self.upstream_idle_timeout_s)
 
     async def head_timed_out(self, down: Downstream) -> int:
         """The backend sent no response head within its budget: 504, the connection closed."""
@@ -988,6 +1004,8 @@ class ProxyApp:
         slot: Slot | None,
         started: float,
         head_deadline: float,
+        *,
+        method: bytes,
     ) -> int:
         """The early bridge: a 200 stream with a comment now, the backend events once it answers."""
         metrics = self.metrics
@@ -1015,15 +1033,9 @@ class ProxyApp:
             metrics.sse_bridge_upstream_errors.inc()
             await down.send(h11.EndOfMessage())
             return 200
-        with self.idle_guard() as guard:
-            if _is_chunked(list(event.headers)):
-                await self.copy_chunked(
-                    down, up, None, scanner=FirstUsefulEventScanner(), slot=slot, guard=guard
-                )
-            else:
-                await self.copy_body(
-                    down, up, scanner=FirstUsefulEventScanner(), slot=slot, guard=guard
-                )
+        await self.relay_body(
+            down, up, event, None, method=method, scanner=FirstUsefulEventScanner(), slot=slot
+        )
         return 200
 
     async def relay_error(
@@ -1063,7 +1075,7 @@ class ProxyApp:
             h11.Response(status_code=status, headers=headers, reason=event.reason),
             h11.Data(data=b"".join(chunks)),
         )
-        with self.idle_guard() as guard:
+        with _IdleGuard(self.upstream_idle_timeout_s) as guard:
             await self.copy_body(down, up, scanner=None, slot=None, guard=guard)
         return status
 
@@ -1226,19 +1238,12 @@ def _with_sse_defaults(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, 
     return [*headers, *extra] if extra else headers
 
 
-def _foreign_json_encoding(body: bytes) -> bool:
-    """UTF-16 or UTF-32 JSON (a byte order mark, or a NUL among the first bytes, as
-    ``json.loads`` detects them)."""
-    head = body[:4]
-    return head.startswith((b"\xff\xfe", b"\xfe\xff")) or (len(head) >= 2 and b"\x00" in head)
-
-
 def _budget(seconds: float) -> float:
     """A timeout setting in seconds, 0 meaning none."""
     return float(seconds) if seconds > 0 else math.inf
 
 
-def _is_chunked(headers: list[tuple[bytes, bytes]]) -> bool:
+def _is_chunked(headers: Sequence[tuple[bytes, bytes]]) -> bool:
     """The response body is chunked (h11 already refused any other transfer coding)."""
     return any(
         name == b"transfer-encoding" and value.strip().lower() == b"chunked"

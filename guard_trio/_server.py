@@ -41,7 +41,7 @@ from guard_trio._downstream import (
 from guard_trio._engine import EngineObserver, GuardEngine
 from guard_trio._observability import CONTENT_TYPE, GuardMetrics
 from guard_trio._poller import MetricsSource, Poller, PollReport
-from guard_trio._proxy import ProxyApp
+from guard_trio._proxy import ProxyApp, openai_error
 from guard_trio._upstream import UpstreamPool
 
 __all__ = ("GuardServer",)
@@ -55,9 +55,9 @@ _REASONS = {
 }
 #: OpenAI-style bodies for the refusals of a request body.
 _BODY_ERRORS = {
-    400: (b"Malformed request body", b"BadRequestError"),
-    408: (b"Request body not received in time", b"RequestTimeoutError"),
-    413: (b"Request body too large", b"RequestTooLargeError"),
+    400: openai_error(b"Malformed request body", b"BadRequestError", 400),
+    408: openai_error(b"Request body not received in time", b"RequestTimeoutError", 408),
+    413: openai_error(b"Request body too large", b"RequestTooLargeError", 413),
 }
 
 
@@ -279,11 +279,8 @@ async def _refuse_body(down: Downstream, refused: BodyRefused) -> None:
     down.closing = True
     if not down.can_respond:
         return
-    message, kind = _BODY_ERRORS.get(refused.status, _BODY_ERRORS[400])
-    body = b'{"error":{"message":"%s","type":"%s","param":null,"code":%d}}\n' % (
-        message,
-        kind,
-        refused.status,
+    body = _BODY_ERRORS.get(refused.status) or openai_error(
+        b"Malformed request body", b"BadRequestError", refused.status
     )
     headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
     with contextlib.suppress(ClientGone):

@@ -109,9 +109,7 @@ class UpstreamConnection:
             return data
         sock = self._sock
         try:
-            if sock is None:
-                return await self.stream.receive_some(_READ_SIZE)
-            if 0 < self._eager_reads < _YIELD_EVERY:
+            if sock is not None and 0 < self._eager_reads < _YIELD_EVERY:
                 # The last read filled the buffer or found bytes waiting: more may be there.
                 try:
                     data = sock.recv(_READ_SIZE)
@@ -272,11 +270,18 @@ class UpstreamPool:
         now = trio.current_time()
         while idle:
             connection = idle.pop()
-            if now - connection.idle_since <= self.idle_timeout_s and connection.quiet_while_idle():
+            if self._still_usable(connection, now):
                 connection.reused = True
                 return connection
-            trio.lowlevel.spawn_system_task(connection.aclose)
         return None
+
+    def _still_usable(self, connection: UpstreamConnection, now: float) -> bool:
+        """Not idle for too long, and nothing arrived from the backend meanwhile; a connection
+        that fails this is closed (in the background)."""
+        if now - connection.idle_since <= self.idle_timeout_s and connection.quiet_while_idle():
+            return True
+        trio.lowlevel.spawn_system_task(connection.aclose)
+        return False
 
     def sweep(self) -> int:
         """Close idle connections that expired or that the backend closed (or wrote to) while
@@ -285,17 +290,10 @@ class UpstreamPool:
         closed = 0
         now = trio.current_time()
         for idle in self._idle.values():
-            keep = deque(
-                c
-                for c in idle
-                if now - c.idle_since <= self.idle_timeout_s and c.quiet_while_idle()
-            )
-            for connection in idle:
-                if connection not in keep:
-                    trio.lowlevel.spawn_system_task(connection.aclose)
-                    closed += 1
+            kept = [c for c in idle if self._still_usable(c, now)]
+            closed += len(idle) - len(kept)
             idle.clear()
-            idle.extend(keep)
+            idle.extend(kept)
         return closed
 
     async def sweep_every(self, interval_s: float) -> None:

@@ -145,6 +145,25 @@ class CountingUpstream:
         self.received += buffer
         return bytes(buffer)
 
+    async def read_request(self, stream: trio.SocketStream) -> bytes | None:
+        """Read one request with a Content-Length body (or none); returns the body, or None
+        at the end of the stream."""
+        head, found, rest = (await self.read_head(stream)).partition(b"\r\n\r\n")
+        if not found:
+            return None
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        body = bytearray(rest)
+        while len(body) < length:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                return None
+            body += chunk
+        return bytes(body[:length])
+
 
 @pytest.fixture
 def start_upstream(
@@ -165,23 +184,8 @@ def ok_backend(bodies: list[bytes]) -> ConnectionScript:
     """A keep-alive backend that records each Content-Length request body and answers 200."""
 
     async def script(stream: trio.SocketStream, upstream: CountingUpstream) -> None:
-        while True:
-            data = await upstream.read_head(stream)
-            head, found, rest = data.partition(b"\r\n\r\n")
-            if not found:
-                return
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            body = bytearray(rest)
-            while len(body) < length:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    return
-                body += chunk
-            bodies.append(bytes(body[:length]))
+        while (body := await upstream.read_request(stream)) is not None:
+            bodies.append(body)
             await stream.send_all(_OK)
 
     return script
