@@ -112,6 +112,17 @@ def simulate(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def policy(session: nox.Session) -> None:
+    """The policy benchmark (bench/policy.py): none, the best static cap in hindsight, PIG's
+    learner and the predictive learner in every cell of traces x rates x engine profiles.
+
+    ``nox -s policy -- --duration 600 --cells conv --plot out/``; nothing is asserted.
+    """
+    session.install("-e", ".[plot]")
+    session.run("python", "bench/policy.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The one-minute demonstration: simulated backend, guard and load; ``-- --quick`` for 12 s."""
     session.install("-e", ".")

@@ -30,6 +30,7 @@ _ADDED = {
     "vllm:num_requests_waiting": "waiting_v",
     "vllm:num_preemptions_total": "preempt_v",
     "vllm:generation_tokens_total": "gen_v",
+    "vllm:prompt_tokens_total": "prompt_v",
 }
 _HIGHEST = {
     "vllm:kv_cache_usage_perc": "kv_v",
@@ -42,11 +43,18 @@ _HIGHEST = {
     "sglang:num_paused_reqs": "paused_s",
     "sglang:generation_tokens_total": "gen_s",
     "sglang:gen_throughput": "tps_s",
+    "sglang:prompt_tokens_total": "prompt_s",
 }
 _TTFT = (
     "vllm:time_to_first_token_seconds",
     "vllm:request_time_to_first_token_seconds",
     "sglang:time_to_first_token_seconds",
+)
+_ITL = (
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "sglang:inter_token_latency_seconds",
+    "sglang:time_per_output_token_seconds",
 )
 
 
@@ -119,9 +127,10 @@ def _take(
     hist.seen = True
 
 
-def _pick_ttft(hists: dict[str, _Hist]) -> Histogram | None:
-    ttft: Histogram | None = None
-    for name in _TTFT:
+def _pick(names: tuple[str, ...], hists: dict[str, _Hist]) -> Histogram | None:
+    """The first of ``names`` with a count above zero, else the first seen at all."""
+    chosen: Histogram | None = None
+    for name in names:
         hist = hists[name]
         if not hist.seen:
             continue
@@ -131,16 +140,16 @@ def _pick_ttft(hists: dict[str, _Hist]) -> Histogram | None:
         )
         if count > 0:
             return candidate
-        if ttft is None:
-            ttft = candidate
-    return ttft
+        if chosen is None:
+            chosen = candidate
+    return chosen
 
 
 def parse_metrics_with_prometheus_client(page: bytes | str) -> BackendSample:
     """Same contract as ``parse_metrics`` on pages prometheus_client can parse.
 
     Raises:
-        MetricsParseError: the page is too large, or a TTFT bucket has no ``le`` label.
+        MetricsParseError: the page is too large, or a histogram bucket has no ``le`` label.
         ValueError: prometheus_client refused the page.
     """
     if isinstance(page, str):
@@ -153,14 +162,14 @@ def parse_metrics_with_prometheus_client(page: bytes | str) -> BackendSample:
         raise MetricsParseError(f"page is {size} bytes, over the {MAX_PAGE_BYTES} byte limit")
 
     values: dict[str, float] = {}
-    hists = {name: _Hist() for name in _TTFT}
+    hists = {name: _Hist() for name in (*_TTFT, *_ITL)}
     saw_vllm = saw_sglang = False
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             saw_vllm = saw_vllm or sample.name.startswith("vllm:")
             saw_sglang = saw_sglang or sample.name.startswith("sglang:")
             _take(sample.name, sample.labels, sample.value, values, hists)
-    ttft = _pick_ttft(hists)
+    ttft = _pick(_TTFT, hists)
 
     preemptions: float | None = None
     retracted = _either(values.get("retracted_s"), values.get("retracted_s_legacy"))
@@ -185,4 +194,6 @@ def parse_metrics_with_prometheus_client(page: bytes | str) -> BackendSample:
         generation_tokens=_either(values.get("gen_v"), values.get("gen_s")),
         generation_tps=values.get("tps_s") if "gen_v" not in values else None,
         ttft=ttft,
+        prompt_tokens=_either(values.get("prompt_v"), values.get("prompt_s")),
+        inter_token_latency=_pick(_ITL, hists),
     )

@@ -27,6 +27,12 @@ The model (one scheduler step at a time, like vLLM's V1 engine)
 * There is no prefix cache of its own: a request may say how many leading prompt tokens are
   already cached (``SimRequest.cached_prompt_tokens``); they take KV space but no prefill time.
   A preempted sequence recomputes everything.
+* :meth:`Engine.metrics` counts what a vLLM page shows, including the inter-token latency
+  histogram (bounds :data:`ITL_BUCKETS`): one observation per output token after a request's
+  first, the time since that request's previous token. Steps run back to back while anything
+  decodes, so a step that ends adds its own duration once per decoding sequence (a single
+  bisect, whatever the batch), and a sequence readmitted after a preemption adds its whole pause
+  with its next token. The count therefore always equals generation tokens minus first tokens.
 
 Time and events: :meth:`Engine.advance` runs the steps that end by ``until`` and returns what
 clients would have seen. ``"first_token"``, ``"preempted"``, ``"finished"`` and ``"failed"`` carry
@@ -74,11 +80,12 @@ batch), 0.286 ms per prompt token, 64 ns per context token.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
@@ -86,6 +93,7 @@ import attrs
 
 __all__ = (
     "DEFAULT_PROFILE",
+    "ITL_BUCKETS",
     "PROFILES",
     "TTFT_BUCKETS",
     "Engine",
@@ -95,6 +103,8 @@ __all__ = (
     "RequestTooLong",
     "SimRequest",
     "TokenEvent",
+    "idle_prefill_s",
+    "profile_from_json",
 )
 
 #: Bucket bounds (seconds) of ``vllm:time_to_first_token_seconds`` in vLLM 0.33.0, the newest
@@ -122,6 +132,32 @@ TTFT_BUCKETS: Final[tuple[float, ...]] = (
     160.0,
     640.0,
     2560.0,
+)
+
+#: Bucket bounds (seconds) of ``vllm:inter_token_latency_seconds`` in vLLM 0.33.0, the newest
+#: version in ``../shared/data/metrics/vllm-v1-histogram-buckets-by-version.tsv`` (the same
+#: bounds since the name appeared in 0.10.2; its predecessor ``time_per_output_token_seconds``
+#: had them from 0.8.5).
+ITL_BUCKETS: Final[tuple[float, ...]] = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 
 
@@ -229,6 +265,89 @@ PROFILES: Final[Mapping[str, EngineProfile]] = MappingProxyType(
 DEFAULT_PROFILE: Final = "a100-qwen2-7b"
 
 
+def idle_prefill_s(profile: EngineProfile, prompt_tokens: int) -> float:
+    """Seconds from submission to the first token of a prompt alone on an idle ``profile`` engine.
+
+    ``prompt_tokens`` is what must be computed (pass the uncached part where a prefix cache
+    holds the rest); at least one token always is. The prompt goes in chunks of
+    ``max_num_batched_tokens``, one step each (``step_base_s + prefill_token_s * chunk``, with no
+    decoders and no KV read), and the first token comes at the end of the last chunk's step:
+    exactly what :class:`Engine` does with nothing else running, at speed factor 1.
+    """
+    tokens = max(1, prompt_tokens)
+    steps = -(-tokens // profile.max_num_batched_tokens)
+    return steps * profile.step_base_s + profile.prefill_token_s * tokens
+
+
+#: ``profile_from_json`` keys: field -> (kind, required). Kinds: whole count, seconds, text.
+_PROFILE_KEYS: Final[Mapping[str, tuple[str, bool]]] = MappingProxyType(
+    {
+        "name": ("text", True),
+        "max_num_seqs": ("count", True),
+        "kv_capacity_tokens": ("count", True),
+        "max_num_batched_tokens": ("count", False),
+        "max_model_len": ("count", False),
+        "step_base_s": ("seconds", True),
+        "decode_token_s": ("seconds", True),
+        "prefill_token_s": ("seconds", True),
+        "kv_token_s": ("seconds", False),
+        "source": ("text", False),
+    }
+)
+
+
+def profile_from_json(document: Mapping[str, object]) -> EngineProfile:
+    """An :class:`EngineProfile` from a decoded JSON object (an operator's own hardware).
+
+    Keys are the profile's fields. Required: ``name``, ``max_num_seqs``, ``kv_capacity_tokens``,
+    ``step_base_s``, ``decode_token_s``, ``prefill_token_s``; optional, with the class defaults:
+    ``max_num_batched_tokens`` (2048), ``max_model_len`` (16384), ``kv_token_s`` (0) and
+    ``source`` (text). Counts must be JSON integers, times JSON numbers (seconds), both finite;
+    the class's own checks then apply (positive counts, ``kv_capacity_tokens >= max_model_len``,
+    ``max_num_batched_tokens > max_num_seqs``, ...).
+
+    Raises:
+        ValueError: naming the field at fault: an unknown or missing key, a value of the wrong
+            type, or one the profile refuses.
+    """
+    if not isinstance(document, Mapping):
+        raise ValueError("an engine profile must be a JSON object")
+    unknown = sorted(str(key) for key in document if key not in _PROFILE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"unknown engine profile field(s): {', '.join(unknown)}"
+            f" (known: {', '.join(_PROFILE_KEYS)})"
+        )
+    missing = [key for key, (_, needed) in _PROFILE_KEYS.items() if needed and key not in document]
+    if missing:
+        raise ValueError(f"engine profile is missing {', '.join(missing)}")
+    values: dict[str, object] = {}
+    for key, value in document.items():
+        kind = _PROFILE_KEYS[key][0]
+        if kind == "text":
+            if not isinstance(value, str) or (key == "name" and not value.strip()):
+                wanted = "a non-empty string" if key == "name" else "a string"
+                raise ValueError(f"engine profile field {key} must be {wanted}, got {value!r}")
+        elif kind == "count":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"engine profile field {key} must be a whole number, got {value!r}"
+                )
+        elif (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise ValueError(
+                f"engine profile field {key} must be a finite number of seconds, got {value!r}"
+            )
+        values[key] = float(value) if kind == "seconds" else value
+    try:
+        return EngineProfile(**values)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"engine profile refused: {error}") from None
+
+
 @attrs.frozen(kw_only=True)
 class SimRequest:
     """A generation request: prompt length and the number of tokens to generate at most."""
@@ -283,6 +402,13 @@ class EngineMetrics:
     ttft_bucket_counts: tuple[int, ...]
     ttft_sum: float
     ttft_count: int
+    #: Inter-token latency: one observation per output token after a request's first, the
+    #: time since that request's previous token. Cumulative counts per bound of
+    #: :attr:`Engine.itl_buckets` (:data:`ITL_BUCKETS` unless the engine was given others),
+    #: then ``+Inf``.
+    itl_bucket_counts: tuple[int, ...]
+    itl_sum: float
+    itl_count: int
 
 
 _WAITING: Final = 0
@@ -307,6 +433,7 @@ class _Seq:
         "gen",
         "kv0",
         "kv_need",
+        "last_at",
         "p0",
         "prefill_left",
         "prompt",
@@ -332,6 +459,7 @@ class _Seq:
         self.kv0 = 0
         self.epoch = 0
         self.started = False
+        self.last_at = 0.0  # when its latest token came; kept up to date only across preemption
 
 
 class Engine:
@@ -347,6 +475,8 @@ class Engine:
     of mean ``mean_output_tokens`` (capped by ``max_output_tokens``); ``token_events=False``
     drops the ``"tokens"`` events (first token, preemption, end and failure are still reported,
     and ``"finished"`` then carries the undelivered tokens), which makes long simulations cheaper.
+    ``itl_buckets`` sets the bounds of the inter-token latency histogram (default
+    :data:`ITL_BUCKETS`; a server imitating SGLang passes SGLang's).
     """
 
     def __init__(
@@ -358,9 +488,16 @@ class Engine:
         ignore_eos: bool = True,
         mean_output_tokens: float = 256.0,
         token_events: bool = True,
+        itl_buckets: Sequence[float] = ITL_BUCKETS,
     ) -> None:
         if mean_output_tokens <= 0:
             raise ValueError("mean_output_tokens must be > 0")
+        bounds = tuple(float(bound) for bound in itl_buckets)
+        if not all(math.isfinite(bound) for bound in bounds) or any(
+            low >= high for low, high in itertools.pairwise(bounds)
+        ):
+            raise ValueError("itl_buckets must be finite and strictly increasing")
+        self._itl_bounds = bounds
         self._profile = profile
         self._rng = random.Random(seed)
         self._ignore_eos = ignore_eos
@@ -382,6 +519,7 @@ class Engine:
         self._tie = 0
         self._k_planned = 0
         self._k_done = 0
+        self._step_start = self._now
         self._step_end: float | None = None
         self._step_done: list[tuple[int, _Seq]] = []
         self._ready_at: float | None = None
@@ -396,6 +534,9 @@ class Engine:
         self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self._ttft_sum = 0.0
         self._ttft_count = 0
+        self._itl_counts = [0] * (len(bounds) + 1)
+        self._itl_sum = 0.0
+        self._itl_count = 0
 
     # -- read-only views ------------------------------------------------------------------------
 
@@ -415,6 +556,11 @@ class Engine:
     @property
     def kv_used_tokens(self) -> int:
         return self._kv_used
+
+    @property
+    def itl_buckets(self) -> tuple[float, ...]:
+        """The finite bounds of the inter-token latency histogram."""
+        return self._itl_bounds
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -535,11 +681,6 @@ class Engine:
         return min(candidates) if candidates else None
 
     def metrics(self) -> EngineMetrics:
-        cumulative = []
-        total = 0
-        for count in self._ttft_counts:
-            total += count
-            cumulative.append(total)
         return EngineMetrics(
             running=len(self._running),
             waiting=min(self._reported_waiting, self._n_waiting),
@@ -548,9 +689,12 @@ class Engine:
             prompt_tokens_total=self._prompt_total,
             generation_tokens_total=self._gen_total,
             requests_finished_total=self._finished_total,
-            ttft_bucket_counts=tuple(cumulative),
+            ttft_bucket_counts=tuple(itertools.accumulate(self._ttft_counts)),
             ttft_sum=self._ttft_sum,
             ttft_count=self._ttft_count,
+            itl_bucket_counts=tuple(itertools.accumulate(self._itl_counts)),
+            itl_sum=self._itl_sum,
+            itl_count=self._itl_count,
         )
 
     # -- the scheduler ----------------------------------------------------------------------------
@@ -609,6 +753,7 @@ class Engine:
             self._ready_at = None  # nothing can run until something changes
             return
         self._k_planned += 1
+        self._step_start = start
         duration = (
             profile.step_base_s
             + profile.decode_token_s * decoding
@@ -629,6 +774,7 @@ class Engine:
             if victim.state == _DECODE:
                 held = victim.kv0 + (self._k_planned - victim.p0)
                 victim.gen = victim.g0 + (self._k_done - victim.p0)
+                victim.last_at = self._last_end  # it decoded in every step since joining
                 self._kv_dec -= held
                 self._n_decoding -= 1
                 if self._token_events and victim.gen > victim.delivered:
@@ -682,7 +828,12 @@ class Engine:
         self._step_end = None
         self._last_end = end
         self._flush_due = True
-        self._gen_total += self._n_decoding
+        decoders = self._n_decoding
+        self._gen_total += decoders
+        if decoders:
+            # Steps follow each other without a gap while anything decodes, so every decoder
+            # waited exactly this step for its token: one bisect, whatever the batch.
+            self._observe_itl(end - self._step_start, decoders)
         heap = self._finish_heap
         events = self._events
         while heap and heap[0][0] <= k:
@@ -708,6 +859,8 @@ class Engine:
                 self._ttft_sum += ttft
                 self._ttft_count += 1
                 self._ttft_counts[bisect_left(TTFT_BUCKETS, ttft)] += 1
+            else:  # readmitted after a preemption: this token ends a long gap
+                self._observe_itl(end - seq.last_at, 1)
             if seq.gen >= seq.target:
                 self._kv_used -= seq.kv_need
                 self._finish(seq, end)
@@ -723,6 +876,12 @@ class Engine:
         self._step_done = []
         if self._has_work():
             self._ready_at = end
+
+    def _observe_itl(self, gap: float, tokens: int) -> None:
+        """``tokens`` output tokens, each ``gap`` seconds after its request's previous one."""
+        self._itl_counts[bisect_left(self._itl_bounds, gap)] += tokens
+        self._itl_sum += gap * tokens
+        self._itl_count += tokens
 
     def _finish(self, seq: _Seq, at: float) -> None:
         """End ``seq`` normally (its KV already released by the caller)."""

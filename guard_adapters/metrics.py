@@ -18,9 +18,16 @@ What is read
         ``vllm:generation_tokens_total``, else ``sglang:generation_tokens_total``.
     ``generation_tps``
         ``sglang:gen_throughput``.
+    ``prompt_tokens``
+        ``vllm:prompt_tokens_total``, else ``sglang:prompt_tokens_total``.
     ``ttft`` (a histogram)
         ``vllm:time_to_first_token_seconds``, ``vllm:request_time_to_first_token_seconds``,
         ``sglang:time_to_first_token_seconds``.
+    ``inter_token_latency`` (a histogram)
+        ``vllm:inter_token_latency_seconds``, the name it replaced (deprecated in 0.10.2, gone
+        from 0.17) ``vllm:time_per_output_token_seconds``, ``sglang:inter_token_latency_seconds``,
+        and SGLang 0.4.3's ``sglang:time_per_output_token_seconds``. The per-request means
+        ``*:request_time_per_output_token_seconds`` are not read.
 
     Several series of one name (label sets) are added up for ``vllm:`` names, except the KV-cache
     gauges, and combined with ``max`` for ``sglang:`` names (SGLang repeats a gauge per rank).
@@ -33,8 +40,9 @@ What is read
     Histograms are built from ``<name>_bucket`` (bound taken from ``le``, ``+Inf`` allowed),
     ``<name>_count`` and ``<name>_sum`` lines, each label set added in bound by bound, for both
     engines. Without a ``_count`` line the ``+Inf`` bucket stands in (0 if there is none either).
-    ``ttft`` is the first histogram, in the order above, whose count is above zero; failing that,
-    the first one present with a zero count; ``None`` when none is present.
+    ``ttft`` and ``inter_token_latency`` are each the first histogram of their list, in the order
+    above, whose count is above zero; failing that, the first one present with a zero count;
+    ``None`` when none is present.
 
 Guarantees
     * Pure and deterministic: no I/O, clock or mutable global state.
@@ -67,9 +75,10 @@ How it stays fast
     One compiled expression finds the wanted lines: it is anchored on ``\\n`` and its names form a
     prefix tree whose first split is ``vllm:`` versus ``sglang:``, so nearly every line is dropped
     after a character or two inside the regular-expression engine, and the label set and the usual
-    ``le`` come out as groups. Python code then runs for a few dozen lines only. About 70 us for the
-    46 KB vLLM 0.10 page on CPython 3.11 where prometheus_client's parser takes about 6 ms; see
-    ``bench/bench_metrics_parse.py``.
+    ``le`` come out as groups. Python code then runs for a few dozen lines only (54 on the 46 KB
+    vLLM 0.10 page, most of them histogram buckets, at about 1 us each). About 120 us for that page
+    on CPython 3.11 where prometheus_client's parser takes about 7 ms (it was about 70 us before the
+    inter-token latency and prompt-token families were read); see ``bench/bench_metrics_parse.py``.
 """
 
 from __future__ import annotations
@@ -105,8 +114,10 @@ _INF: Final = float("inf")
     _PAUSE_S,
     _GEN_S,
     _TPS_S,
-) = range(14)
-_N_SLOTS: Final = 14
+    _PROMPT_V,
+    _PROMPT_S,
+) = range(16)
+_N_SLOTS: Final = 16
 
 # How a series is folded in: plain sum, plain max, or one of a histogram's three parts.
 _SUM, _MAX, _BUCKET, _COUNT, _HSUM = range(5)
@@ -117,6 +128,17 @@ _TTFT_NAMES: Final = (
     "vllm:request_time_to_first_token_seconds",
     "sglang:time_to_first_token_seconds",
 )
+#: Inter-token latency histograms in the order they are tried.
+_ITL_NAMES: Final = (
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "sglang:inter_token_latency_seconds",
+    "sglang:time_per_output_token_seconds",
+)
+#: Every histogram read; its position is its accumulator index.
+_HIST_NAMES: Final = _TTFT_NAMES + _ITL_NAMES
+_TTFT_SLOTS: Final = range(len(_TTFT_NAMES))
+_ITL_SLOTS: Final = range(len(_TTFT_NAMES), len(_HIST_NAMES))
 
 _PLAIN: Final = (
     ("vllm:num_requests_running", _SUM, _RUN_V),
@@ -133,18 +155,20 @@ _PLAIN: Final = (
     ("sglang:num_paused_reqs", _MAX, _PAUSE_S),
     ("sglang:generation_tokens_total", _MAX, _GEN_S),
     ("sglang:gen_throughput", _MAX, _TPS_S),
+    ("vllm:prompt_tokens_total", _SUM, _PROMPT_V),
+    ("sglang:prompt_tokens_total", _MAX, _PROMPT_S),
 )
 
 #: The metric families read, histograms by their base name (for tools that keep only these lines,
 #: such as a recording of scrapes for replay).
-LEARNER_FAMILIES: Final[tuple[str, ...]] = tuple(name for name, _, _ in _PLAIN) + _TTFT_NAMES
+LEARNER_FAMILIES: Final[tuple[str, ...]] = tuple(name for name, _, _ in _PLAIN) + _HIST_NAMES
 
 #: Exact series name -> (fold kind, slot).
 _SERIES: Final = MappingProxyType(
     {name: (kind, slot) for name, kind, slot in _PLAIN}
     | {
         f"{base}{suffix}": (kind, index)
-        for index, base in enumerate(_TTFT_NAMES)
+        for index, base in enumerate(_HIST_NAMES)
         for suffix, kind in (("_bucket", _BUCKET), ("_count", _COUNT), ("_sum", _HSUM))
     }
 )
@@ -154,7 +178,7 @@ def _alternation(words: tuple[str, ...]) -> str:
     """A regular expression matching exactly ``words``, factored as a prefix tree.
 
     Sharing prefixes matters: the engine tries the alternatives one by one at every line start,
-    and a tree rejects a ``python_gc_...`` or ``vllm:time_per_output_...`` line after a character
+    and a tree rejects a ``python_gc_...`` or ``vllm:cache_config_info`` line after a character
     or a few, where a flat list would try every name.
     """
     groups: dict[str, list[str]] = {}
@@ -210,10 +234,11 @@ def parse_metrics(page: bytes | str) -> BackendSample:  # noqa: PLR0915 - hot lo
     matches: list[tuple[str, str, str, str]] = _RELEVANT_LINE.findall(text)
 
     acc: list[float | None] = [None] * _N_SLOTS
-    buckets: tuple[dict[float, float], ...] = ({}, {}, {})
-    counts: list[float | None] = [None, None, None]
-    sums: list[float | None] = [None, None, None]
-    present = [False, False, False]
+    n_hist = len(_HIST_NAMES)
+    buckets: tuple[dict[float, float], ...] = tuple({} for _ in range(n_hist))
+    counts: list[float | None] = [None] * n_hist
+    sums: list[float | None] = [None] * n_hist
+    present = [False] * n_hist
     inf = _INF
     series = _SERIES
     isnan = math.isnan
@@ -358,25 +383,6 @@ def _assemble(
         if part is not None:
             preemptions = part if preemptions is None else preemptions + part
 
-    chosen: int | None = None
-    chosen_count = 0.0
-    for index in range(len(_TTFT_NAMES)):
-        if present[index]:
-            count = counts[index]
-            if count is None:
-                count = buckets[index].get(_INF, 0.0)
-            if chosen is None or count > 0:
-                chosen, chosen_count = index, count
-            if count > 0:
-                break
-    ttft = None
-    if chosen is not None:
-        ttft = Histogram(
-            buckets=tuple(buckets[chosen].items()),
-            count=chosen_count,
-            sum=sums[chosen] or 0.0,
-        )
-
     kv = acc[_KV_V] if acc[_KV_V] is not None else acc[_KV_V_OLD]
     return BackendSample(
         flavour=flavour,
@@ -386,5 +392,35 @@ def _assemble(
         preemptions=preemptions,
         generation_tokens=acc[_GEN_V] if acc[_GEN_V] is not None else acc[_GEN_S],
         generation_tps=acc[_TPS_S] if acc[_GEN_V] is None else None,
-        ttft=ttft,
+        ttft=_first_histogram(_TTFT_SLOTS, buckets, counts, sums, present),
+        prompt_tokens=acc[_PROMPT_V] if acc[_PROMPT_V] is not None else acc[_PROMPT_S],
+        inter_token_latency=_first_histogram(_ITL_SLOTS, buckets, counts, sums, present),
+    )
+
+
+def _first_histogram(
+    slots: range,
+    buckets: tuple[dict[float, float], ...],
+    counts: list[float | None],
+    sums: list[float | None],
+    present: list[bool],
+) -> Histogram | None:
+    """The first histogram of ``slots`` with observations, else the first present, else None."""
+    chosen: int | None = None
+    chosen_count = 0.0
+    for index in slots:
+        if present[index]:
+            count = counts[index]
+            if count is None:
+                count = buckets[index].get(_INF, 0.0)
+            if chosen is None or count > 0:
+                chosen, chosen_count = index, count
+            if count > 0:
+                break
+    if chosen is None:
+        return None
+    return Histogram(
+        buckets=tuple(buckets[chosen].items()),
+        count=chosen_count,
+        sum=sums[chosen] or 0.0,
     )

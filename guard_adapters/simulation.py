@@ -29,6 +29,31 @@ waiters, and the time-weighted mean per-user speed of the requests decoding in t
 request contributes its own average speed). Summaries per tier: admitted, rejected, speed p5/p50,
 TTFT p50/p95/p99 and goodput (requests finished at >= 20 tok/s with TTFT <= 1 s, per second of
 the trace's arrival span).
+
+Prompt-aware goodput relaxes only the TTFT bound, by the time the request's own prompt would need
+on an idle engine of the profile (:func:`~guard_adapters.engine_model.idle_prefill_s` of its
+uncached tokens): ``TTFT <= 1 s + idle prefill``, still >= 20 tok/s. A long prompt can never
+start within 1 s, so the strict figure counts it as lost whatever the policy does; the
+prompt-aware one asks only that queueing and interference stay within 1 s. For prompts of a few
+hundred tokens the idle prefill is a few tens of milliseconds and the two figures nearly agree.
+
+Prefix reuse (what is modelled): a trace whose requests carry ``hash_ids`` (Mooncake) gets one
+:class:`~guard_adapters.prefix_cache.PrefixCache` of ``kv_capacity_tokens // 512`` blocks of
+512 tokens for the run. When a request is submitted to the engine its leading blocks already in
+the cache become its ``cached_prompt_tokens`` (held in KV, not prefilled: the engine model skips
+their prefill time), and its blocks become the most recently used. The cache does not compete
+with running sequences for KV space and counts a block as present from submission on, so reuse
+is on the generous side of a busy real engine. Requests without ``hash_ids`` (Azure) are never
+cached, as before.
+
+Slowdowns: ``simulate(..., slowdowns=((at_s, duration_s, factor), ...))`` makes every engine
+step ``factor`` times as long from ``at_s`` to ``at_s + duration_s`` (the engine's
+``slow_down``, applied at those virtual instants inside the event loop); windows must not
+overlap.
+
+Polls: the guard's ``BackendSample`` carries what a vLLM page would: running, waiting, KV usage,
+preemptions, prompt and generation token counters, and the TTFT and inter-token latency
+histograms.
 """
 
 from __future__ import annotations
@@ -42,14 +67,18 @@ import attrs
 
 from guard_adapters.engine_model import (
     DEFAULT_PROFILE,
+    ITL_BUCKETS,
     PROFILES,
     TTFT_BUCKETS,
     Engine,
+    EngineMetrics,
     EngineProfile,
     RequestTooLong,
     SimRequest,
     TokenEvent,
+    idle_prefill_s,
 )
+from guard_adapters.prefix_cache import MOONCAKE_BLOCK_TOKENS, PrefixCache
 from guard_adapters.traces import TraceRequest, premium_flags
 from guard_core import (
     Admitted,
@@ -61,6 +90,7 @@ from guard_core import (
     GuardState,
     Histogram,
     MetricsPolled,
+    PredictiveConfig,
     PrefillEnded,
     PrefillStarted,
     Queued,
@@ -84,11 +114,13 @@ __all__ = (
     "RequestOutcome",
     "SeriesPoint",
     "SimulationResult",
+    "Slowdown",
     "Static",
     "TierSummary",
     "parse_policy",
     "simulate",
     "summarise",
+    "validate_slowdowns",
 )
 
 #: Goodput counts requests finished at this per-user speed or faster ...
@@ -106,6 +138,11 @@ _BACKEND: Final = "sim"
 
 
 # -- policies ----------------------------------------------------------------------------------
+
+
+def _body_bytes(prompt_tokens: int) -> int:
+    """The size of a chat body for a prompt of this many tokens (what the guard would see)."""
+    return prompt_tokens * _BODY_BYTES_PER_TOKEN + _BODY_ENVELOPE_BYTES
 
 
 @attrs.frozen
@@ -143,18 +180,29 @@ class Guard:
 Policy = NoPolicy | Static | Guard
 
 
+def predictive_config(guard_config: GuardConfig) -> GuardConfig:
+    """The same settings with the predictive learner selected (its settings kept if given)."""
+    if guard_config.predictive is not None:
+        return guard_config
+    return attrs.evolve(guard_config, predictive=PredictiveConfig.from_policy(guard_config.policy))
+
+
 def parse_policy(text: str, guard_config: GuardConfig | None = None) -> Policy:
-    """``none``, ``static:N`` or ``guard`` (with ``guard_config``, default settings otherwise)."""
+    """``none``, ``static:N``, ``guard`` (PIG's learner) or ``predictive``, the guard with
+    ``guard_config`` (default settings otherwise)."""
     spec = text.strip().lower()
     if spec == "none":
         return NoPolicy()
+    config = guard_config if guard_config is not None else GuardConfig()
     if spec == "guard":
-        return Guard(guard_config if guard_config is not None else GuardConfig())
+        return Guard(attrs.evolve(config, predictive=None))
+    if spec == "predictive":
+        return Guard(predictive_config(config), label="predictive")
     if spec.startswith("static:"):
         number = spec.removeprefix("static:").strip()
         if number.isdigit():
             return Static(int(number))
-    raise ValueError(f"unknown policy {text!r}: use none, static:N (N >= 0) or guard")
+    raise ValueError(f"unknown policy {text!r}: use none, static:N (N >= 0), guard or predictive")
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -185,6 +233,12 @@ class RequestOutcome:
     failed: bool = False
     #: Why the policy refused it: a guard_core reject code, or ``static_limit``.
     reject_code: str | None = None
+    #: Leading prompt tokens the prefix cache held when it reached the engine (0: none, or not
+    #: submitted, or no ``hash_ids`` in the trace).
+    cached_prompt_tokens: int = 0
+    #: Seconds the uncached part of its prompt alone takes to prefill on an idle engine of the
+    #: profile (see :func:`~guard_adapters.engine_model.idle_prefill_s`); 0 when not computed.
+    idle_prefill_s: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:
@@ -205,6 +259,15 @@ class RequestOutcome:
         """Finished, first token within 1 s, and at least 20 tok/s (one-token answers pass)."""
         ttft = self.ttft_s
         if not self.finished or ttft is None or ttft > GOOD_TTFT_S:
+            return False
+        tps = self.user_tps
+        return tps is None or tps >= GOOD_TPS
+
+    @property
+    def good_prompt_aware(self) -> bool:
+        """Like :attr:`good`, with the TTFT bound widened by this prompt's idle prefill time."""
+        ttft = self.ttft_s
+        if not self.finished or ttft is None or ttft > GOOD_TTFT_S + self.idle_prefill_s:
             return False
         tps = self.user_tps
         return tps is None or tps >= GOOD_TPS
@@ -246,6 +309,8 @@ class TierSummary:
     ttft_p95_s: float | None
     ttft_p99_s: float | None
     goodput_per_s: float
+    #: Goodput counting :attr:`RequestOutcome.good_prompt_aware` requests.
+    goodput_prompt_aware_per_s: float
 
     @classmethod
     def of(cls, outcomes: Sequence[RequestOutcome], duration_s: float) -> TierSummary:
@@ -253,6 +318,7 @@ class TierSummary:
         ttfts = sorted(t for t in (o.ttft_s for o in outcomes) if t is not None)
         admitted = sum(o.admitted for o in outcomes)
         good = sum(o.good for o in outcomes)
+        good_prompt_aware = sum(o.good_prompt_aware for o in outcomes)
         return cls(
             requests=len(outcomes),
             admitted=admitted,
@@ -263,6 +329,7 @@ class TierSummary:
             ttft_p95_s=_quantile(ttfts, 0.95),
             ttft_p99_s=_quantile(ttfts, 0.99),
             goodput_per_s=good / duration_s if duration_s > 0 else 0.0,
+            goodput_prompt_aware_per_s=good_prompt_aware / duration_s if duration_s > 0 else 0.0,
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -311,10 +378,12 @@ class _Req:
         "admitted",
         "admitted_at",
         "arrival",
+        "cached",
         "cap",
         "failed",
         "finished",
         "first_at",
+        "hash_ids",
         "inflight",
         "last_at",
         "output",
@@ -330,6 +399,8 @@ class _Req:
         self.arrival = request.arrival_s
         self.prompt = request.prompt_tokens
         self.output = request.output_tokens
+        self.hash_ids = request.hash_ids
+        self.cached = 0
         self.tier = tier
         self.admitted = False
         self.admitted_at: float | None = None
@@ -342,7 +413,7 @@ class _Req:
         self.failed = False
         self.reject_code: str | None = None
 
-    def frozen(self) -> RequestOutcome:
+    def frozen(self, profile: EngineProfile) -> RequestOutcome:
         return RequestOutcome(
             request_id=self.rid,
             tier=self.tier,
@@ -359,6 +430,8 @@ class _Req:
             finished=self.finished,
             failed=self.failed,
             reject_code=self.reject_code,
+            cached_prompt_tokens=self.cached,
+            idle_prefill_s=idle_prefill_s(profile, max(1, self.prompt) - self.cached),
         )
 
 
@@ -373,6 +446,7 @@ class _Run:
         premium_share: float,
         poll_interval_s: float,
         sample_interval_s: float,
+        slowdowns: Sequence[Slowdown] = (),
     ) -> None:
         flags = premium_flags(len(trace), premium_share, seed=seed)
         self.reqs = [
@@ -381,6 +455,10 @@ class _Run:
         ]
         self.policy = policy
         self.engine = Engine(profile, seed=seed, token_events=False)
+        self.prefix_cache = _prefix_cache(trace, profile)
+        #: (virtual time, speed factor from then on), in time order; the next one at ``slow_at``.
+        self.slow_steps = _slowdown_steps(slowdowns)
+        self.slow_at = 0
         self.poll_interval_s = poll_interval_s
         self.sample_interval_s = sample_interval_s
         self.guard: GuardState | None = None
@@ -409,19 +487,44 @@ class _Run:
         req.inflight = self.inflight
         req.cap = self._cap()
         if self.guard is not None:
-            body = req.prompt * _BODY_BYTES_PER_TOKEN + _BODY_ENVELOPE_BYTES
-            self.guard = apply_guard_event(self.guard, PrefillStarted(at, req.rid, body)).state
-        request = SimRequest(
-            request_id=req.rid,
-            prompt_tokens=max(1, req.prompt),
-            max_output_tokens=max(1, req.output),
-        )
+            body = _body_bytes(req.prompt)
+            started = PrefillStarted(at, req.rid, body, tier=req.tier)
+            self.guard = apply_guard_event(self.guard, started).state
+        request = self._sim_request(req)
         try:
             self.engine.submit(request, at=at)
         except RequestTooLong:
             self.refused += 1
             req.failed = True
             self._end(req, at)
+
+    def _sim_request(self, req: _Req) -> SimRequest:
+        """What the engine is given for ``req``; its cached prefix is looked up now."""
+        prompt = max(1, req.prompt)
+        output = max(1, req.output)
+        cache = self.prefix_cache
+        # A request the engine will refuse as too long never computes, so never caches, a block.
+        fits = prompt + output <= self.engine.profile.max_model_len
+        if cache is not None and req.hash_ids and fits:
+            req.cached = cache.lookup_and_insert(req.hash_ids, prompt)
+        return SimRequest(
+            request_id=req.rid,
+            prompt_tokens=prompt,
+            max_output_tokens=output,
+            cached_prompt_tokens=req.cached,
+        )
+
+    def _next_slowdown_at(self) -> float:
+        steps = self.slow_steps
+        return steps[self.slow_at][0] if self.slow_at < len(steps) else _INF
+
+    def _apply_slowdowns(self, at: float) -> None:
+        """Set the engine's speed factor for every slowdown instant reached by ``at``."""
+        steps = self.slow_steps
+        while self.slow_at < len(steps) and steps[self.slow_at][0] <= at:
+            when, factor = steps[self.slow_at]
+            self.engine.slow_down(factor, at=when)
+            self.slow_at += 1
 
     def _end(self, req: _Req, at: float) -> None:
         self.inflight -= 1
@@ -447,7 +550,8 @@ class _Run:
 
     def _arrive(self, req: _Req, at: float) -> None:
         if self.guard is not None:
-            step = apply_guard_event(self.guard, SlotRequested(at, req.tier))
+            event = SlotRequested(at, req.tier, body_bytes=_body_bytes(req.prompt))
+            step = apply_guard_event(self.guard, event)
             self.guard = step.state
             self._settle(req, step.outcome, at)
         elif self.limit is None or self.inflight < self.limit:
@@ -466,21 +570,7 @@ class _Run:
 
     def _poll(self, at: float) -> None:
         assert self.guard is not None
-        m = self.engine.metrics()
-        bounds = (*TTFT_BUCKETS, _INF)
-        sample = BackendSample(
-            flavour=Flavour.VLLM,
-            running=float(m.running),
-            waiting=float(m.waiting),
-            kv_usage=m.kv_usage,
-            preemptions=float(m.preemptions_total),
-            generation_tokens=float(m.generation_tokens_total),
-            ttft=Histogram(
-                tuple(zip(bounds, map(float, m.ttft_bucket_counts), strict=True)),
-                float(m.ttft_count),
-                m.ttft_sum,
-            ),
-        )
+        sample = _backend_sample(self.engine.metrics())
         poll = MetricsPolled(at, (BackendPoll(name=_BACKEND, sample=sample),))
         step = apply_guard_event(self.guard, poll)
         self.guard = step.state
@@ -506,8 +596,11 @@ class _Run:
         if kind == "first_token":
             req.first_at = at
             if self.guard is not None:
-                seen = FirstTokenObserved(at, at - req.arrival)
+                seen = FirstTokenObserved(at, at - req.arrival, request_id=req.rid)
                 self.guard = apply_guard_event(self.guard, seen).state
+                if self.waiters and self.guard.predictive is not None:
+                    # A prefill ended: the predictive learner's TTFT room may have come back.
+                    self._retry(at, everyone=True)
         elif kind == "finished":
             req.finished = True
             self._end(req, at)
@@ -528,7 +621,7 @@ class _Run:
         end = 0.0
         while index < count or self.waiters or self.inflight:
             at = reqs[index].arrival if index < count else _INF
-            at = min(at, next_poll, next_sample)
+            at = min(at, next_poll, next_sample, self._next_slowdown_at())
             if self.waiters:
                 at = min(at, *(check for _, check in self.waiters.values()))
                 # A finishing request frees a slot a waiter may take at that very moment.
@@ -538,6 +631,7 @@ class _Run:
             for event in engine.advance(at):
                 end = max(end, event.at)
                 self._engine_event(event)
+            self._apply_slowdowns(at)
             if next_poll <= at:
                 self._poll(at)
                 next_poll += self.poll_interval_s
@@ -561,6 +655,76 @@ class _Run:
 
     def preemptions(self) -> int:
         return self.engine.metrics().preemptions_total
+
+
+#: ``(at_s, duration_s, factor)``: engine steps take ``factor`` times as long over that window.
+Slowdown = tuple[float, float, float]
+
+
+def validate_slowdowns(slowdowns: Sequence[Slowdown]) -> tuple[Slowdown, ...]:
+    """``slowdowns`` as floats, sorted by start; ``ValueError`` for a bad or overlapping window.
+
+    ``at_s`` >= 0, ``duration_s`` > 0 and ``factor`` > 0, all finite; a window may start where
+    the previous one ends, but not before.
+    """
+    windows: list[Slowdown] = []
+    for item in slowdowns:
+        try:
+            at_s, duration_s, factor = (float(part) for part in item)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"a slowdown is (at_s, duration_s, factor) numbers, got {item!r}"
+            ) from None
+        if not (math.isfinite(at_s) and at_s >= 0):
+            raise ValueError(f"slowdown start must be a finite time >= 0 s, got {at_s!r}")
+        if not (math.isfinite(duration_s) and duration_s > 0):
+            raise ValueError(f"slowdown duration must be finite and > 0 s, got {duration_s!r}")
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"slowdown factor must be finite and > 0, got {factor!r}")
+        windows.append((at_s, duration_s, factor))
+    windows.sort()
+    for (at_a, dur_a, _), (at_b, _, _) in itertools.pairwise(windows):
+        if at_b < at_a + dur_a:
+            raise ValueError(
+                f"slowdowns overlap: the one from {at_b:g} s starts before the one from"
+                f" {at_a:g} s ends ({at_a + dur_a:g} s)"
+            )
+    return tuple(windows)
+
+
+def _slowdown_steps(slowdowns: Sequence[Slowdown]) -> list[tuple[float, float]]:
+    """The instants the speed factor changes, and the factor from each on (1 after a window)."""
+    steps: list[tuple[float, float]] = []
+    for at_s, duration_s, factor in validate_slowdowns(slowdowns):
+        steps.extend(((at_s, factor), (at_s + duration_s, 1.0)))
+    return steps
+
+
+def _prefix_cache(trace: Sequence[TraceRequest], profile: EngineProfile) -> PrefixCache | None:
+    """A cache as large as the engine's KV, in 512-token blocks, when the trace names blocks."""
+    if not any(request.hash_ids for request in trace):
+        return None
+    return PrefixCache(profile.kv_capacity_tokens // MOONCAKE_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS)
+
+
+def _backend_sample(m: EngineMetrics) -> BackendSample:
+    """The engine's figures as the guard would parse them from its vLLM page."""
+    return BackendSample(
+        flavour=Flavour.VLLM,
+        running=float(m.running),
+        waiting=float(m.waiting),
+        kv_usage=m.kv_usage,
+        preemptions=float(m.preemptions_total),
+        generation_tokens=float(m.generation_tokens_total),
+        ttft=_histogram(TTFT_BUCKETS, m.ttft_bucket_counts, m.ttft_sum),
+        prompt_tokens=float(m.prompt_tokens_total),
+        inter_token_latency=_histogram(ITL_BUCKETS, m.itl_bucket_counts, m.itl_sum),
+    )
+
+
+def _histogram(bounds: Sequence[float], cumulative: Sequence[int], total: float) -> Histogram:
+    buckets = tuple(zip((*bounds, _INF), map(float, cumulative), strict=True))
+    return Histogram(buckets, float(cumulative[-1]), total)
 
 
 def _user_tps_series(
@@ -594,11 +758,14 @@ def simulate(
     poll_interval_s: float = 1.0,
     guard_config: GuardConfig | None = None,
     sample_interval_s: float = 1.0,
+    slowdowns: Sequence[Slowdown] = (),
 ) -> SimulationResult:
     """Run ``trace`` through ``policy`` in front of a fresh simulated engine.
 
     ``policy`` may also be written as text (see :func:`parse_policy`); ``guard_config`` is then
     the guard's settings. ``trace`` must be sorted by arrival (as the loaders return it).
+    ``slowdowns`` are ``(at_s, duration_s, factor)`` windows of a slower engine (see
+    :func:`validate_slowdowns`).
     """
     if isinstance(policy, str):
         policy = parse_policy(policy, guard_config)
@@ -610,6 +777,7 @@ def simulate(
         raise ValueError("poll and sample intervals must be > 0")
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(trace)):
         raise ValueError("the trace must be sorted by arrival time")
+    slowdowns = validate_slowdowns(slowdowns)
     run = _Run(
         trace,
         policy,
@@ -618,9 +786,10 @@ def simulate(
         premium_share=premium_share,
         poll_interval_s=poll_interval_s,
         sample_interval_s=sample_interval_s,
+        slowdowns=slowdowns,
     )
     last_arrival, end = run.run()
-    outcomes = tuple(req.frozen() for req in run.reqs)
+    outcomes = tuple(req.frozen(profile) for req in run.reqs)
     duration = last_arrival if last_arrival > 0 else end
     speeds = _user_tps_series(outcomes, sample_interval_s, len(run.samples))
     series = tuple(

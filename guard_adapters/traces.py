@@ -3,17 +3,21 @@
 Reads: a trace file in one of two public formats, recognised from its first non-blank line:
 - the Azure LLM inference trace (CSV with a ``TIMESTAMP,ContextTokens,GeneratedTokens`` header;
   wall-clock timestamps such as ``2023-11-16 18:15:46.6805900``);
-- the Mooncake trace (JSON Lines with ``timestamp`` in milliseconds, ``input_length`` and
-  ``output_length``; other keys such as ``hash_ids`` are ignored).
+- the Mooncake trace (JSON Lines with ``timestamp`` in milliseconds, ``input_length``,
+  ``output_length`` and, optionally, ``hash_ids``: one id per 512-token block of the prompt,
+  equal ids meaning an equal prefix up to that block; other keys are ignored).
 
 Guarantees:
 - :func:`parse_trace` is pure (lines in, values out); :func:`read_trace` and :func:`load_trace`
   only add reading the file;
 - requests come back sorted by arrival (stable for equal times), with ``arrival_s`` in seconds
   since the earliest request, so the first is always at 0;
-- a row that cannot be used (unparsable, negative or missing numbers, no output token) is
-  reported as a :class:`TraceError` naming ``file:line`` and skipped, or raised when ``strict``;
-- :func:`scale_rate` and :func:`head` keep the order and the token counts;
+- a row that cannot be used (unparsable, negative or missing numbers, no output token, a
+  ``hash_ids`` that is not a list of non-negative whole numbers) is reported as a
+  :class:`TraceError` naming ``file:line`` and skipped, or raised when ``strict``;
+- ``hash_ids`` is kept as read (order and repeats included); it is ``()`` for Azure rows and for
+  Mooncake rows without the key;
+- :func:`scale_rate` and :func:`head` keep the order, the token counts and the ``hash_ids``;
 - :func:`premium_flags` is a pure function of ``(count, share, seed)`` and the flags of a prefix
   of a trace are the prefix of the flags of the whole trace.
 """
@@ -80,6 +84,9 @@ class TraceRequest:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    #: The prompt's prefix blocks as Mooncake ids them (``()``: not known). Two requests whose
+    #: lists begin alike share that much of their prompt, so a prefix cache can reuse it.
+    hash_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -114,6 +121,18 @@ def _count(value: object, what: str, *, minimum: int) -> int:
     return number
 
 
+def _hash_ids(value: object) -> tuple[int, ...]:
+    """Mooncake's ``hash_ids``: a JSON list of non-negative whole numbers."""
+    if not isinstance(value, list):
+        raise ValueError(f"hash_ids must be a list of block ids, got {type(value).__name__}")
+    for position, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ValueError(
+                f"hash_ids[{position}] must be a non-negative whole number, got {item!r}"
+            )
+    return tuple(value)
+
+
 def _timestamp(text: str) -> datetime.datetime:
     try:
         moment = datetime.datetime.fromisoformat(text.strip())
@@ -124,9 +143,10 @@ def _timestamp(text: str) -> datetime.datetime:
     return moment
 
 
-def _azure_rows(
-    lines: list[tuple[int, str]], source: str
-) -> Iterator[tuple[float, int, int] | TraceError]:
+_Row = tuple[float, int, int, tuple[int, ...]]
+
+
+def _azure_rows(lines: list[tuple[int, str]], source: str) -> Iterator[_Row | TraceError]:
     header_no, header_line = lines[0]
     header = next(csv.reader([header_line]))
     names = [name.strip() for name in header]
@@ -150,12 +170,10 @@ def _azure_rows(
             yield TraceError(line_no, str(error), source=source)
             continue
         first = first or moment
-        yield (moment - first).total_seconds(), prompt_tokens, output_tokens
+        yield (moment - first).total_seconds(), prompt_tokens, output_tokens, ()
 
 
-def _mooncake_rows(
-    lines: list[tuple[int, str]], source: str
-) -> Iterator[tuple[float, int, int] | TraceError]:
+def _mooncake_rows(lines: list[tuple[int, str]], source: str) -> Iterator[_Row | TraceError]:
     for line_no, line in lines:
         try:
             try:
@@ -177,10 +195,11 @@ def _mooncake_rows(
                 raise ValueError(f"timestamp must be a number of milliseconds, got {stamp!r}")
             prompt_tokens = _count(row["input_length"], "input_length", minimum=0)
             output_tokens = _count(row["output_length"], "output_length", minimum=1)
+            hash_ids = _hash_ids(row["hash_ids"]) if "hash_ids" in row else ()
         except ValueError as error:
             yield TraceError(line_no, str(error), source=source)
             continue
-        yield stamp / 1000.0, prompt_tokens, output_tokens
+        yield stamp / 1000.0, prompt_tokens, output_tokens, hash_ids
 
 
 def parse_trace(
@@ -212,7 +231,7 @@ def parse_trace(
             "unknown trace format (expected an Azure CSV header or Mooncake JSON lines)",
             source=source,
         )
-    parsed: list[tuple[float, int, int]] = []
+    parsed: list[_Row] = []
     skipped: list[TraceError] = []
     for row in rows:
         if isinstance(row, TraceError):
@@ -224,8 +243,10 @@ def parse_trace(
     parsed.sort(key=lambda row: row[0])
     start = parsed[0][0] if parsed else 0.0
     requests = tuple(
-        TraceRequest(arrival_s=at - start, prompt_tokens=prompt, output_tokens=output)
-        for at, prompt, output in parsed
+        TraceRequest(
+            arrival_s=at - start, prompt_tokens=prompt, output_tokens=output, hash_ids=hash_ids
+        )
+        for at, prompt, output, hash_ids in parsed
     )
     return TraceFile(format=trace_format, requests=requests, skipped=tuple(skipped))
 

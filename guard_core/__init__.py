@@ -47,6 +47,7 @@ from guard_core.guard import apply as apply_guard_event
 from guard_core.lanes import Lane, body_lane, combine_lanes, output_lane
 from guard_core.observations import BackendSample, Flavour, Histogram
 from guard_core.policy import PolicyConfig
+from guard_core.predictive import Binding, Prediction, PredictiveConfig, PredictiveState
 from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
 from guard_core.signal_state import SignalThresholds
 from guard_core.tier import Tier, basic_limit, premium_reserved, tier_from_header_values
@@ -60,6 +61,7 @@ __all__ = (
     "Admitted",
     "BackendPoll",
     "BackendSample",
+    "Binding",
     "CapComponents",
     "ComposedCap",
     "DecisionPublished",
@@ -84,6 +86,9 @@ __all__ = (
     "PathPolicy",
     "PolicyConfig",
     "PolicyConfigError",
+    "Prediction",
+    "PredictiveConfig",
+    "PredictiveState",
     "PrefillEnded",
     "PrefillStarted",
     "PublishedDecision",

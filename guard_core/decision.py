@@ -78,6 +78,9 @@ class LimitReason(enum.StrEnum):
     BACKEND_UNAVAILABLE = "backend_unavailable"
     DISABLED = "disabled"
     NONE = "none"
+    #: The predictive learner's cap (``DYNAMIC_POLICY=predictive``): the predicted per-user
+    #: speed at the current prompt load.
+    PREDICTED_SPEED = "predicted_speed"
 
 
 class StateReason(enum.StrEnum):
@@ -206,6 +209,10 @@ class Queued:
     tier: Tier
     deadline: float
     code: RejectCode
+    #: The request's body size and when it reached the guard, for a learner that weighs each
+    #: request (the predictive one); ``None`` when not known.
+    body_bytes: int | None = None
+    arrived_at: float | None = None
 
 
 @attrs.frozen
@@ -213,6 +220,8 @@ class Rejected:
     """The request gets a 429. ``code`` is for metrics and logs only."""
 
     code: RejectCode
+    #: Whole seconds the client should wait before retrying, when a learner predicted it.
+    retry_after_s: int | None = None
 
 
 #: The three outcomes of an admission attempt.

@@ -51,6 +51,7 @@ __all__ = (
     "apply",
     "current_limit",
     "next_check_at",
+    "refuse",
     "short_wait_s",
 )
 
@@ -138,6 +139,8 @@ class SlotRequested:
 
     at: float
     tier: Tier
+    #: The request body's size, for a learner that weighs each request; ``None`` if unknown.
+    body_bytes: int | None = None
 
 
 @attrs.frozen
@@ -284,11 +287,28 @@ def _request(state: GateState, event: SlotRequested) -> GateStep:
         return GateStep(
             _with_counts(state, event.tier, inflight=1, waiting=0), Admitted(event.tier)
         )
+    return refuse(state, event, code)
+
+
+def refuse(state: GateState, event: SlotRequested | WaitRetried, code: RejectCode) -> GateStep:
+    """The attempt cannot take a slot now, for reason ``code``: it waits briefly or is refused.
+
+    The gate's own rules call this; a learner that refuses a request the counts would admit
+    (the predictive one) calls it too, so short waits and deadlines stay the gate's.
+    """
+    if isinstance(event, WaitRetried):
+        queued = event.queued
+        tier = queued.tier
+        if event.at >= queued.deadline or short_wait_s(state.decision, code, state.config) <= 0:
+            return GateStep(_with_counts(state, tier, inflight=0, waiting=-1), Rejected(code))
+        return GateStep(state, attrs.evolve(queued, code=code))
     wait = short_wait_s(state.decision, code, state.config)
     if wait <= 0:
         return GateStep(state, Rejected(code))
-    queued = Queued(event.tier, event.at + wait, code)
-    return GateStep(_with_counts(state, event.tier, inflight=0, waiting=1), queued)
+    fresh = Queued(
+        event.tier, event.at + wait, code, body_bytes=event.body_bytes, arrived_at=event.at
+    )
+    return GateStep(_with_counts(state, event.tier, inflight=0, waiting=1), fresh)
 
 
 def _check_waiting(state: GateState, queued: Queued) -> None:
@@ -305,9 +325,7 @@ def _retry(state: GateState, event: WaitRetried) -> GateStep:
     code = _refusal(state, tier)
     if code is None:
         return GateStep(_with_counts(state, tier, inflight=1, waiting=-1), Admitted(tier))
-    if event.at >= queued.deadline or short_wait_s(state.decision, code, state.config) <= 0:
-        return GateStep(_with_counts(state, tier, inflight=0, waiting=-1), Rejected(code))
-    return GateStep(state, Queued(tier, queued.deadline, code))
+    return refuse(state, event, code)
 
 
 def _abandon(state: GateState, event: WaitAbandoned) -> GateStep:

@@ -7,7 +7,12 @@ Guarantees:
   and a recording of the events replays to the same decisions;
 - a poll's decision is published to the gate in the same step that evaluates it;
 - refusals by the dynamic cap or the tier rule are counted for the learner when they end in a
-  429 (not while the request still waits, and not when its client left).
+  429 (not while the request still waits, and not when its client left);
+- with ``DYNAMIC_POLICY=predictive`` (``config.predictive`` set) PIG's pipeline still runs on
+  every poll, for its state reasons and its intake rules (no metrics, every backend failing,
+  backend waiting), but the cap it publishes is the predictive learner's, and an attempt the
+  gate's counts would admit is also checked against the learner's predictions
+  (:mod:`guard_core.predictive`); a refusal then carries a predicted ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,17 @@ from __future__ import annotations
 import attrs
 
 from guard_core import gate as gate_rules
-from guard_core.decision import Admission, LoadState, PublishedDecision, RejectCode, Rejected
+from guard_core import predictive as predictive_rules
+from guard_core.decision import (
+    Admission,
+    Admitted,
+    DecisionSource,
+    LimitReason,
+    LoadState,
+    PublishedDecision,
+    RejectCode,
+    Rejected,
+)
 from guard_core.evaluation import (
     BackendPoll,
     GateView,
@@ -25,7 +40,9 @@ from guard_core.evaluation import (
 )
 from guard_core.gate import GateConfig, GateState
 from guard_core.policy import PolicyConfig
+from guard_core.predictive import Prediction, PredictiveConfig, PredictiveState
 from guard_core.prefill_guard import grace_s
+from guard_core.tier import Tier, premium_reserved
 
 __all__ = (
     "FirstTokenObserved",
@@ -54,6 +71,8 @@ class GuardConfig:
     #: ``gate.dynamic`` is also set (``DYNAMIC_PIG_ENFORCE``).
     learning: bool = True
     failsafe: LoadState = LoadState.YELLOW
+    #: ``DYNAMIC_POLICY=predictive``: the predictive learner's settings; ``None`` is PIG's.
+    predictive: PredictiveConfig | None = None
 
 
 @attrs.frozen
@@ -70,6 +89,8 @@ class FirstTokenObserved:
 
     at: float
     seconds: float
+    #: Which forwarded request it was (``PrefillStarted.request_id``), when known.
+    request_id: int | None = None
 
 
 @attrs.frozen
@@ -79,6 +100,8 @@ class PrefillStarted:
     at: float
     request_id: int
     body_bytes: int | None
+    #: The request's tier, when the runtime says (the predictive learner reserves for premium).
+    tier: Tier | None = None
 
 
 @attrs.frozen
@@ -99,6 +122,7 @@ class GuardState:
     config: GuardConfig
     gate: GateState
     learner: LearnerState
+    predictive: PredictiveState | None = None
 
     @classmethod
     def initial(cls, config: GuardConfig, *, at: float) -> GuardState:
@@ -108,7 +132,10 @@ class GuardState:
                 gate, decision=PublishedDecision.startup(at=at, failsafe=config.failsafe)
             )
         learner = LearnerState(config=config.policy, failsafe=config.failsafe)
-        return cls(config=config, gate=gate, learner=learner)
+        predictive = None
+        if config.predictive is not None:
+            predictive = PredictiveState.initial(config.predictive)
+        return cls(config=config, gate=gate, learner=learner, predictive=predictive)
 
 
 @attrs.frozen
@@ -132,8 +159,69 @@ def _poll(state: GuardState, event: MetricsPolled) -> GuardStep:
         published_cap=gate.decision.cap,
     )
     learner, decision = evaluate(state.learner, view, event.polls, at=event.at)
+    predictive = state.predictive
+    if predictive is not None:
+        predictive = predictive_rules.polled(predictive, event.polls, at=event.at)
+        decision, predictive = _predictive_decision(decision, learner, predictive, at=event.at)
     gate = gate_rules.apply(gate, gate_rules.DecisionPublished(decision)).state
-    return GuardStep(attrs.evolve(state, gate=gate, learner=learner), decision=decision)
+    return GuardStep(
+        attrs.evolve(state, gate=gate, learner=learner, predictive=predictive), decision=decision
+    )
+
+
+def _predictive_decision(
+    pig: PublishedDecision, learner: LearnerState, predictive: PredictiveState, *, at: float
+) -> tuple[PublishedDecision, PredictiveState]:
+    """The predictive cap, under PIG's intake rules and hard limits."""
+    snapshot = learner.last
+    if pig.source is not DecisionSource.METRICS or snapshot is None:
+        return pig, predictive  # no metrics: intake stays closed as PIG closes it
+    prediction = predictive_rules.published_cap(predictive, at=at)
+    predictive = attrs.evolve(predictive, last_cap=prediction)
+    components = snapshot.components
+    cap, reason = prediction.cap, LimitReason.PREDICTED_SPEED
+    if cap >= components.hard_global:
+        cap, reason = components.hard_global, LimitReason.HARD_GLOBAL
+    if components.availability is not None and components.availability < cap:
+        cap, reason = components.availability, LimitReason.AVAILABILITY
+    if components.override is LimitReason.BACKEND_UNAVAILABLE:
+        cap, reason = 0, LimitReason.BACKEND_UNAVAILABLE
+    elif predictive.waiting > predictive.pending_count:
+        # The engine queues more than the prefills the guard knows it just sent: intake
+        # closes until the next poll, as PIG's does on any waiting.
+        cap, reason = 0, LimitReason.BACKEND_WAITING
+    return attrs.evolve(pig, cap=cap, final_reason=reason), predictive
+
+
+def _waited(
+    event: gate_rules.SlotRequested | gate_rules.WaitRetried,
+) -> tuple[float, Tier, int | None]:
+    if isinstance(event, gate_rules.SlotRequested):
+        return 0.0, event.tier, event.body_bytes
+    queued = event.queued
+    arrived = queued.arrived_at if queued.arrived_at is not None else event.at
+    return max(0.0, event.at - arrived), queued.tier, queued.body_bytes
+
+
+def _predictive_attempt(
+    state: GuardState, event: gate_rules.SlotRequested | gate_rules.WaitRetried
+) -> tuple[gate_rules.GateStep, Prediction | None]:
+    """The gate's counts first; what they admit must also pass the learner's predictions."""
+    predictive = state.predictive
+    assert predictive is not None
+    gate = state.gate
+    step = gate_rules.apply(gate, event)
+    if isinstance(step.outcome, Admitted):
+        waited, tier, body_bytes = _waited(event)
+        limit, _ = gate_rules.current_limit(gate)
+        reserve = premium_reserved(limit, gate.premium_inflight) if tier is Tier.BASIC else 0
+        verdict = predictive_rules.assess(
+            predictive, body_bytes, reserve=reserve, waited_s=waited, at=event.at
+        )
+        if not verdict.admit:
+            step = gate_rules.refuse(gate, event, RejectCode.GLOBAL_DYNAMIC_LIMIT)
+        return step, verdict.prediction
+    return step, None
 
 
 def apply(state: GuardState, event: GuardEvent) -> GuardStep:
@@ -143,18 +231,55 @@ def apply(state: GuardState, event: GuardEvent) -> GuardStep:
     learner = state.learner
     if isinstance(event, FirstTokenObserved):
         histogram = observe_first_token(learner.semantic_ttft, event.seconds)
-        return GuardStep(
-            attrs.evolve(state, learner=attrs.evolve(learner, semantic_ttft=histogram))
-        )
+        state = attrs.evolve(state, learner=attrs.evolve(learner, semantic_ttft=histogram))
+        if state.predictive is not None and event.request_id is not None:
+            predictive = predictive_rules.first_token(
+                state.predictive, event.request_id, at=event.at
+            )
+            state = attrs.evolve(state, predictive=predictive)
+        return GuardStep(state)
     if isinstance(event, PrefillStarted):
         deadline = event.at + grace_s(learner.config, event.body_bytes)
         prefill = (*learner.prefill, (event.request_id, deadline))
-        return GuardStep(attrs.evolve(state, learner=attrs.evolve(learner, prefill=prefill)))
+        state = attrs.evolve(state, learner=attrs.evolve(learner, prefill=prefill))
+        if state.predictive is not None:
+            predictive = predictive_rules.forwarded(
+                state.predictive,
+                event.request_id,
+                event.body_bytes,
+                at=event.at,
+                premium=event.tier is Tier.PREMIUM,
+            )
+            state = attrs.evolve(state, predictive=predictive)
+        return GuardStep(state)
     if isinstance(event, PrefillEnded):
         prefill = tuple(entry for entry in learner.prefill if entry[0] != event.request_id)
-        return GuardStep(attrs.evolve(state, learner=attrs.evolve(learner, prefill=prefill)))
-    step = gate_rules.apply(state.gate, event)
+        state = attrs.evolve(state, learner=attrs.evolve(learner, prefill=prefill))
+        if state.predictive is not None:
+            predictive = predictive_rules.finished(state.predictive, event.request_id, at=event.at)
+            state = attrs.evolve(state, predictive=predictive)
+        return GuardStep(state)
+    prediction: Prediction | None = None
+    step: gate_rules.GateStep
+    if state.predictive is not None and isinstance(
+        event, gate_rules.SlotRequested | gate_rules.WaitRetried
+    ):
+        step, prediction = _predictive_attempt(state, event)
+    else:
+        step = gate_rules.apply(state.gate, event)
     outcome = step.outcome
     if isinstance(outcome, Rejected) and outcome.code in _DYNAMIC_REJECTS:
         learner = attrs.evolve(learner, dynamic_rejects=learner.dynamic_rejects + 1)
-    return GuardStep(attrs.evolve(state, gate=step.state, learner=learner), outcome=outcome)
+    model = state.predictive
+    if model is not None:
+        if prediction is not None:
+            model = attrs.evolve(model, last_verdict=prediction)
+        if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:
+            basis = prediction or model.last_cap
+            if basis is not None:
+                seconds = predictive_rules.retry_after_s(model, basis, at=event.at)
+                outcome = attrs.evolve(outcome, retry_after_s=seconds)
+    return GuardStep(
+        attrs.evolve(state, gate=step.state, learner=learner, predictive=model),
+        outcome=outcome,
+    )

@@ -62,3 +62,8 @@ class BackendSample:
     generation_tps: float | None = None
     #: Time-to-first-token histogram of the engine.
     ttft: Histogram | None = None
+    #: Cumulative prompt tokens the engine has taken in (``*:prompt_tokens_total``).
+    prompt_tokens: float | None = None
+    #: Histogram of the gaps between consecutive output tokens of a request: vLLM's and
+    #: SGLang's ``inter_token_latency_seconds``, else the older ``time_per_output_token_seconds``.
+    inter_token_latency: Histogram | None = None

@@ -13,8 +13,20 @@ from pathlib import Path
 from typing import IO, Any
 
 from guard_adapters.config import ConfigError, apply_overrides, load_config
-from guard_adapters.engine_model import DEFAULT_PROFILE, PROFILES
-from guard_adapters.simulation import TIERS, SimulationResult, parse_policy, simulate
+from guard_adapters.engine_model import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    EngineProfile,
+    profile_from_json,
+)
+from guard_adapters.simulation import (
+    TIERS,
+    SimulationResult,
+    Slowdown,
+    parse_policy,
+    simulate,
+    validate_slowdowns,
+)
 from guard_adapters.traces import TraceError, head, premium_flags, read_trace, scale_rate
 
 #: The guard policy learns from metrics; a metrics URL is what turns learning on.
@@ -56,6 +68,40 @@ def _share(text: str) -> float:
     return value
 
 
+def _profile_file(text: str) -> tuple[Path, EngineProfile]:
+    """``--profile-file``: a JSON object of EngineProfile fields, checked in full."""
+    path = Path(text)
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {error.strerror or error}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise argparse.ArgumentTypeError(f"{path}: an engine profile must be a JSON object")
+    try:
+        return path, profile_from_json(document)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{path}: {error}") from None
+
+
+def _slowdown(text: str) -> Slowdown:
+    """``--slowdown AT_S:DURATION_S:FACTOR``."""
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"expected AT_S:DURATION_S:FACTOR, got {text!r}")
+    try:
+        at_s, duration_s, factor = (float(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected three numbers AT_S:DURATION_S:FACTOR, got {text!r}"
+        ) from None
+    try:
+        return validate_slowdowns([(at_s, duration_s, factor)])[0]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "simulate",
@@ -63,7 +109,9 @@ def add_parser(subparsers: Any) -> None:
         description=(
             "Closed loop in virtual time, no sockets: each request of a real trace (Azure CSV or"
             " Mooncake JSONL) meets a policy (none, static:N or the guard) in front of the"
-            " simulated engine. Prints one table per policy with a row per tier."
+            " simulated engine. Prints one table per policy with a row per tier; goodput PA/s"
+            " is the prompt-aware goodput (TTFT within 1 s plus the prompt's own idle prefill"
+            " time)."
         ),
     )
     parser.add_argument("--trace", type=Path, required=True, help="trace file")
@@ -101,11 +149,34 @@ def add_parser(subparsers: Any) -> None:
         help="tag this share of requests premium (default 0)",
     )
     parser.add_argument("--seed", type=int, default=0, help="tiers and engine seed (default 0)")
-    parser.add_argument(
+    engine = parser.add_mutually_exclusive_group()
+    engine.add_argument(
         "--profile",
         choices=sorted(PROFILES),
         default=DEFAULT_PROFILE,
         help=f"engine profile (default {DEFAULT_PROFILE})",
+    )
+    engine.add_argument(
+        "--profile-file",
+        type=_profile_file,
+        metavar="FILE",
+        help=(
+            "your own engine profile: a JSON object with the fields name, max_num_seqs,"
+            " kv_capacity_tokens, step_base_s, decode_token_s, prefill_token_s and optionally"
+            " max_num_batched_tokens, max_model_len, kv_token_s, source"
+        ),
+    )
+    parser.add_argument(
+        "--slowdown",
+        dest="slowdowns",
+        action="append",
+        default=[],
+        type=_slowdown,
+        metavar="AT_S:DURATION_S:FACTOR",
+        help=(
+            "make every engine step FACTOR times as long from AT_S for DURATION_S simulated"
+            " seconds; repeatable (windows must not overlap)"
+        ),
     )
     parser.add_argument(
         "--duration",
@@ -156,6 +227,7 @@ def _print_result(result: SimulationResult, seconds: float, out: IO[str]) -> Non
             "TTFT p95",
             "TTFT p99",
             "goodput/s",
+            "goodput PA/s",
         )
     ]
     for tier in TIERS:
@@ -172,6 +244,7 @@ def _print_result(result: SimulationResult, seconds: float, out: IO[str]) -> Non
                 _cell(s.ttft_p95_s, 2),
                 _cell(s.ttft_p99_s, 2),
                 _cell(s.goodput_per_s, 2),
+                _cell(s.goodput_prompt_aware_per_s, 2),
             )
         )
     _table(rows, out)
@@ -220,6 +293,21 @@ def _plot(results: Sequence[SimulationResult], directory: Path, pyplot: Any) -> 
     return written
 
 
+def _engine_setup(
+    args: argparse.Namespace, err: IO[str]
+) -> tuple[EngineProfile, Path | None, tuple[Slowdown, ...]] | None:
+    """The engine profile (and the file it came from) and the slowdowns; None after an error."""
+    try:
+        slowdowns = validate_slowdowns(args.slowdowns)
+    except ValueError as error:  # each window is checked by argparse; this is an overlap
+        err.write(f"inference-guard simulate: --slowdown: {error}\n")
+        return None
+    if args.profile_file is not None:
+        path, profile = args.profile_file
+        return profile, path, slowdowns
+    return PROFILES[args.profile], None, slowdowns
+
+
 def run(args: argparse.Namespace) -> int:
     out, err = sys.stdout, sys.stderr
     policies = list(dict.fromkeys(args.policies or DEFAULT_POLICIES))
@@ -238,6 +326,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as invalid:
         err.write(f"inference-guard simulate: invalid settings:\n{invalid}\n")
         return 2
+    engine = _engine_setup(args, err)
+    if engine is None:
+        return 2
+    profile, profile_path, slowdowns = engine
     try:
         trace_file = read_trace(args.trace, strict=args.strict)
     except TraceError as error:
@@ -261,6 +353,10 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"{len(trace_file.skipped)} malformed rows skipped")
     if args.overrides:
         notes.append("settings: " + ", ".join(args.overrides))
+    if profile_path is not None:
+        notes.append(f"engine from {profile_path}")
+    for at_s, duration_s, factor in slowdowns:
+        notes.append(f"engine x{factor:g} slower from {at_s:g} s for {duration_s:g} s")
     out.write(f"{args.trace}: {len(trace)} requests ({trace_file.format}), {', '.join(notes)}\n\n")
     results = []
     for text in policies:
@@ -268,10 +364,11 @@ def run(args: argparse.Namespace) -> int:
         result = simulate(
             trace,
             parse_policy(text, guard_config),
-            profile=args.profile,
+            profile=profile,
             seed=args.seed,
             premium_share=args.premium_share,
             poll_interval_s=poll_interval_s,
+            slowdowns=slowdowns,
         )
         _print_result(result, time.process_time() - started, out)
         results.append(result)
@@ -286,7 +383,9 @@ def run(args: argparse.Namespace) -> int:
                 "rate_scale": args.rate_scale,
                 "premium_share": args.premium_share,
                 "seed": args.seed,
-                "profile": args.profile,
+                "profile": profile.name,
+                "profile_file": None if profile_path is None else str(profile_path),
+                "slowdowns": [list(window) for window in slowdowns],
                 "duration_s": args.duration,
                 "settings": list(args.overrides),
             },

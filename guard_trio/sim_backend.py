@@ -21,7 +21,8 @@ Guarantees:
   written the way Starlette's ``JSONResponse`` writes them (compact separators, UTF-8).
 - ``/metrics`` is produced by prometheus-client from a private registry with one custom
   collector; :func:`guard_adapters.metrics.parse_metrics` reads the engine's own numbers back
-  from it (running, waiting, KV usage, preemptions, generated tokens, the TTFT histogram).
+  from it (running, waiting, KV usage, preemptions, prompt and generated tokens, the TTFT and
+  inter-token latency histograms).
 - A client that closes its connection while its request waits or streams gets its sequence
   aborted in the engine at once (its KV is freed); a watcher reads the socket while the request
   is served, so the close is seen even when nothing is being written.
@@ -39,6 +40,7 @@ case (see :data:`ERROR_CASES`); the case names are the file names of ``../shared
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import json
 import math
 import os
@@ -48,7 +50,7 @@ import time
 import traceback
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
 from http import HTTPStatus
 from pathlib import Path
 from types import MappingProxyType
@@ -68,6 +70,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from guard_adapters.engine_model import (
     DEFAULT_PROFILE,
+    ITL_BUCKETS,
     PROFILES,
     Engine,
     EngineDead,
@@ -80,7 +83,10 @@ from guard_core import GuardError
 
 __all__ = (
     "ERROR_CASES",
+    "SGLANG_ITL_BUCKETS",
     "SGLANG_TTFT_BUCKETS",
+    "VLLM_ITL_BUCKETS",
+    "VLLM_LEGACY_TPOT_BUCKETS",
     "VLLM_LEGACY_TTFT_BUCKETS",
     "VLLM_TTFT_BUCKETS",
     "SimBackend",
@@ -107,6 +113,18 @@ VLLM_LEGACY_TTFT_BUCKETS: Final = (
 SGLANG_TTFT_BUCKETS: Final = (
     0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0,
     400.0,
+)  # fmt: skip
+#: Inter-token latency bounds per flavour, from the same tables: vLLM 0.33.0's
+#: ``inter_token_latency_seconds`` (the engine model's own :data:`ITL_BUCKETS`), vLLM 0.7.3's
+#: ``time_per_output_token_seconds`` (the name of that era; top bound 2.5 s) and SGLang 0.5.x's
+#: ``inter_token_latency_seconds`` (unchanged since 0.4.6.post5).
+VLLM_ITL_BUCKETS: Final = ITL_BUCKETS
+VLLM_LEGACY_TPOT_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+SGLANG_ITL_BUCKETS: Final = (
+    0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1, 0.2,
+    0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0,
 )  # fmt: skip
 
 _READ_SIZE: Final = 65536
@@ -1019,11 +1037,29 @@ class _Histogram:
         self.count += 1
 
     def buckets(self) -> list[tuple[str, float]]:
-        result, total = [], 0
-        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
-            total += count
-            result.append(("+Inf" if bound == math.inf else repr(float(bound)), float(total)))
-        return result
+        return _bucket_pairs(self.bounds, itertools.accumulate(self.counts))
+
+
+def _bucket_pairs(bounds: Sequence[float], cumulative: Iterable[int]) -> list[tuple[str, float]]:
+    """``(le, cumulative count)`` pairs as HistogramMetricFamily takes them, ``+Inf`` last."""
+    return [
+        ("+Inf" if bound == math.inf else repr(float(bound)), float(total))
+        for bound, total in zip((*bounds, math.inf), cumulative, strict=True)
+    ]
+
+
+def _itl_family(
+    name: str,
+    documentation: str,
+    *,
+    labels: tuple[list[str], list[str]],
+    metrics: EngineMetrics,
+    bounds: Sequence[float],
+) -> HistogramMetricFamily:
+    """The engine's inter-token latency histogram under ``name``; ``labels``: names, values."""
+    family = HistogramMetricFamily(name, documentation, labels=labels[0])
+    family.add_metric(labels[1], _bucket_pairs(bounds, metrics.itl_bucket_counts), metrics.itl_sum)
+    return family
 
 
 class _Collector:
@@ -1097,6 +1133,17 @@ class _Collector:
         histogram = backend.ttft_histogram
         ttft.add_metric(values, histogram.buckets(), histogram.sum)
         yield ttft
+        itl_name, itl_help = (
+            ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.")
+            if legacy
+            else (
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+            )
+        )
+        yield _itl_family(
+            itl_name, itl_help, labels=(names, values), metrics=m, bounds=backend.itl_buckets
+        )
 
     def _sglang(self, m: EngineMetrics, model: str) -> Iterator[Metric]:
         backend = self._backend
@@ -1140,6 +1187,13 @@ class _Collector:
         histogram = backend.ttft_histogram
         ttft.add_metric(tokenizer_values, histogram.buckets(), histogram.sum)
         yield ttft
+        yield _itl_family(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels=(tokenizer, tokenizer_values),
+            metrics=m,
+            bounds=backend.itl_buckets,
+        )
 
 
 # -- the server ------------------------------------------------------------------------------------
@@ -1229,11 +1283,17 @@ class SimBackend:
     def __init__(self, config: SimBackendConfig) -> None:
         self.config = config
         profile = config.engine_profile()
+        itl_bounds: tuple[float, ...] = VLLM_ITL_BUCKETS
+        if config.flavour == "sglang":
+            itl_bounds = SGLANG_ITL_BUCKETS
+        elif config.metrics_names == "legacy":
+            itl_bounds = VLLM_LEGACY_TPOT_BUCKETS
         self._engine = Engine(
             profile,
             seed=config.seed,
             ignore_eos=config.mean_output_tokens is None,
             mean_output_tokens=config.mean_output_tokens or 256.0,
+            itl_buckets=itl_bounds,
         )
         if config.speed != 1.0:
             self._engine.slow_down(1.0 / config.speed, at=0.0)
@@ -1323,6 +1383,11 @@ class SimBackend:
     @property
     def dead(self) -> bool:
         return self._engine.dead
+
+    @property
+    def itl_buckets(self) -> tuple[float, ...]:
+        """The inter-token latency bounds this flavour exposes."""
+        return self._engine.itl_buckets
 
     def generation_rate(self, metrics: EngineMetrics) -> float:
         """Generated tokens per second over the last few seconds (SGLang's ``gen_throughput``)."""

@@ -27,7 +27,10 @@ from guard_adapters.engine_model import TTFT_BUCKETS
 from guard_adapters.metrics import parse_metrics
 from guard_core.observations import Flavour
 from guard_trio.sim_backend import (
+    SGLANG_ITL_BUCKETS,
     SGLANG_TTFT_BUCKETS,
+    VLLM_ITL_BUCKETS,
+    VLLM_LEGACY_TPOT_BUCKETS,
     VLLM_LEGACY_TTFT_BUCKETS,
     SimBackend,
     SimBackendConfig,
@@ -364,6 +367,54 @@ async def test_sglang_and_legacy_vllm_pages(start: Start) -> None:
     assert sample.kv_usage == 0
     assert sample.ttft is not None
     assert [bound for bound, _ in sample.ttft.finite_buckets] == list(VLLM_LEGACY_TTFT_BUCKETS)
+
+
+@pytest.mark.parametrize(
+    ("changes", "family", "bounds"),
+    [
+        ({}, "vllm:inter_token_latency_seconds", VLLM_ITL_BUCKETS),
+        (
+            {"metrics_names": "legacy"},
+            "vllm:time_per_output_token_seconds",
+            VLLM_LEGACY_TPOT_BUCKETS,
+        ),
+        ({"flavour": "sglang"}, "sglang:inter_token_latency_seconds", SGLANG_ITL_BUCKETS),
+    ],
+)
+async def test_inter_token_latency_and_prompt_tokens_parse_back(
+    start: Start, changes: dict[str, str], family: str, bounds: tuple[float, ...]
+) -> None:
+    sim = await start(**changes)
+    empty = await scrape(sim)
+    assert empty.prompt_tokens == 0
+    assert empty.inter_token_latency is not None
+    assert empty.inter_token_latency.count == 0
+    prompts = 0
+    for max_tokens in (6, 9):
+        status, body = await call(
+            sim, "POST", "/v1/chat/completions", chat(max_tokens) | {"stream": False}
+        )
+        assert status == 200
+        usage = json.loads(body)["usage"]
+        assert usage["completion_tokens"] == max_tokens
+        prompts += usage["prompt_tokens"]
+    _, page = await call(sim, "GET", "/metrics")
+    assert f"{family}_bucket{{".encode() in page
+    prompt_counter = family.split(":", maxsplit=1)[0] + ":prompt_tokens_total{"
+    assert prompt_counter.encode() in page
+    sample = parse_metrics(page)
+    engine = sim.backend.engine_metrics()
+    assert sample.prompt_tokens == prompts == engine.prompt_tokens_total
+    itl = sample.inter_token_latency
+    assert itl is not None
+    assert itl.count == (6 - 1) + (9 - 1) == engine.itl_count
+    assert itl.sum == pytest.approx(engine.itl_sum)
+    assert [bound for bound, _ in itl.finite_buckets] == list(bounds)
+    assert itl.buckets == tuple(
+        zip((*bounds, float("inf")), map(float, engine.itl_bucket_counts), strict=True)
+    )
+    # one user alone decodes at the profile's single-stream step, about 11.6 ms
+    assert 0.010 < itl.sum / itl.count < 0.013
 
 
 # -- disconnects -----------------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import json
+import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +18,7 @@ from hypothesis import strategies as st
 
 from guard_adapters.engine_model import (
     DEFAULT_PROFILE,
+    ITL_BUCKETS,
     PROFILES,
     TTFT_BUCKETS,
     Engine,
@@ -23,6 +27,8 @@ from guard_adapters.engine_model import (
     RequestTooLong,
     SimRequest,
     TokenEvent,
+    idle_prefill_s,
+    profile_from_json,
 )
 
 MODEL_LEN = 512
@@ -150,6 +156,7 @@ class Checker:
             "generation_tokens_total",
             "requests_finished_total",
             "ttft_count",
+            "itl_count",
         ):
             assert getattr(page, name) >= getattr(old, name), name
         assert page.ttft_sum >= old.ttft_sum - 1e-9
@@ -158,6 +165,14 @@ class Checker:
         assert list(counts) == sorted(counts)
         assert counts[-1] == page.ttft_count
         assert all(a >= b for a, b in zip(counts, old.ttft_bucket_counts, strict=True))
+        itl = page.itl_bucket_counts
+        assert len(itl) == len(engine.itl_buckets) + 1
+        assert list(itl) == sorted(itl)
+        assert itl[-1] == page.itl_count
+        assert all(a >= b for a, b in zip(itl, old.itl_bucket_counts, strict=True))
+        assert page.itl_sum >= old.itl_sum - 1e-9
+        # every output token after a request's first is one inter-token observation
+        assert page.itl_count == page.generation_tokens_total - page.ttft_count
         self.previous = page
 
     def run(self, script: Sequence[tuple[Any, ...]]) -> None:
@@ -270,6 +285,10 @@ def test_token_counts_add_up_without_aborts(
         t.request.prompt_tokens for t in checker.requests.values()
     )
     assert page.ttft_count == len(checker.requests)
+    # a request's gaps add up to the span from its first token to its last, preemptions included
+    first = {e.request_id: e.at for e in checker.log if e.kind == "first_token"}
+    spans = sum(e.at - first[e.request_id] for e in checker.log if e.kind == "finished")
+    assert page.itl_sum == pytest.approx(spans, rel=1e-9, abs=1e-9)
 
 
 @given(profile=profiles, script=ops, seed=st.integers(0, 3))
@@ -343,6 +362,95 @@ def test_slow_down_mid_stream_halves_per_user_speed() -> None:
     after = [b - a for a, b in itertools.pairwise(stamps) if a > 10.1 and b < 15.0]
     ratio = statistics.fmean(after) / statistics.fmean(before)
     assert ratio == pytest.approx(2.0, rel=0.02)
+
+
+@given(
+    users=st.integers(1, 16),
+    prompt=st.integers(1, 128),
+    output=st.integers(2, 200),
+    profile_name=st.sampled_from(sorted(PROFILES)),
+)
+def test_pure_decode_inter_token_latency_is_the_step_formula(
+    users: int, prompt: int, output: int, profile_name: str
+) -> None:
+    """All prompts fit one step; then ``output - 1`` decode steps of the whole batch follow."""
+    profile = PROFILES[profile_name]
+    requests = [
+        SimRequest(request_id=i, prompt_tokens=prompt, max_output_tokens=output)
+        for i in range(users)
+    ]
+    engine = Engine(profile)
+    events = replay(engine, requests)
+    page = engine.metrics()
+    assert page.itl_count == users * (output - 1)
+    assert page.itl_count == page.generation_tokens_total - page.ttft_count
+    # decode step j (1 .. output - 1) attends over each sequence's prompt and j more tokens
+    steps = [profile.decode_step_s(users, users * (prompt + j)) for j in range(1, output)]
+    mean = page.itl_sum / page.itl_count
+    assert mean == pytest.approx(statistics.fmean(steps), rel=1e-9)
+    assert mean == pytest.approx(per_user_tpot(events), rel=1e-9)
+    # the bucket counts place every step where its duration falls
+    expected = [0] * (len(ITL_BUCKETS) + 1)
+    for step in steps:
+        expected[bisect.bisect_left(ITL_BUCKETS, step)] += users
+    assert page.itl_bucket_counts == tuple(itertools.accumulate(expected))
+
+
+def test_inter_token_latency_buckets_are_vllms_and_may_be_replaced() -> None:
+    # vllm-v1-histogram-buckets-by-version.tsv, vllm:inter_token_latency_seconds, v0.33.0
+    assert ITL_BUCKETS == (
+        0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+        20.0, 40.0, 80.0,
+    )  # fmt: skip
+    engine = Engine(PROFILES[DEFAULT_PROFILE], itl_buckets=(0.005, 0.012))
+    assert engine.itl_buckets == (0.005, 0.012)
+    replay(engine, [SimRequest(request_id=0, prompt_tokens=10, max_output_tokens=11)])
+    page = engine.metrics()
+    # one user steps in about 11.56 ms: every gap lands in (0.005, 0.012]
+    assert page.itl_bucket_counts == (0, 10, 10)
+    assert Engine(PROFILES[DEFAULT_PROFILE]).metrics().itl_bucket_counts == (0,) * 20
+    for bad in ((0.1, 0.1), (0.2, 0.1), (0.1, math.inf), (math.nan,)):
+        with pytest.raises(ValueError, match="itl_buckets"):
+            Engine(PROFILES[DEFAULT_PROFILE], itl_buckets=bad)
+
+
+def test_a_preempted_sequence_reports_its_whole_pause_as_one_gap() -> None:
+    profile = attrs.evolve(small_profile(2, 40, 4096), max_num_batched_tokens=4096)
+    engine = Engine(profile)
+    requests = [
+        SimRequest(request_id=i, prompt_tokens=260, max_output_tokens=200) for i in range(2)
+    ]
+    events = replay(engine, requests)
+    page = engine.metrics()
+    assert page.preemptions_total > 0
+    assert page.itl_count == page.generation_tokens_total - page.ttft_count == 2 * 199
+    stamps: dict[int, list[float]] = {0: [], 1: []}
+    for event in events:
+        stamps[event.request_id].extend([event.at] * event.tokens)
+    gaps = [b - a for times in stamps.values() for a, b in itertools.pairwise(times)]
+    assert page.itl_sum == pytest.approx(sum(gaps))
+    longest = max(gaps)
+    assert longest > 5 * profile.decode_step_s(2, 600)  # the wait in the queue and the recompute
+    slot = bisect.bisect_left(ITL_BUCKETS, longest)
+    assert page.itl_bucket_counts[slot] > page.itl_bucket_counts[slot - 1]
+
+
+def test_idle_prefill_time_is_what_an_idle_engine_takes() -> None:
+    profile = PROFILES[DEFAULT_PROFILE]
+    for prompt, cached in ((1, 0), (100, 0), (2048, 0), (2049, 0), (9000, 0), (9000, 8192)):
+        engine = Engine(profile)
+        engine.submit(
+            SimRequest(
+                request_id=0, prompt_tokens=prompt, max_output_tokens=2, cached_prompt_tokens=cached
+            ),
+            at=3.0,
+        )
+        events = replay(engine, [])
+        first = next(e.at for e in events if e.kind == "first_token")
+        assert first - 3.0 == pytest.approx(idle_prefill_s(profile, prompt - cached), rel=1e-12)
+    assert idle_prefill_s(profile, 2048) == pytest.approx(0.0115 + 2048 * 0.000075)
+    assert idle_prefill_s(profile, 2049) == pytest.approx(2 * 0.0115 + 2049 * 0.000075)
+    assert idle_prefill_s(profile, 0) == idle_prefill_s(profile, 1)
 
 
 def test_abort_frees_kv_at_once() -> None:
@@ -457,3 +565,119 @@ def test_kv_exhaustion_preempts_and_everyone_still_finishes(
         assert any(e.kind == "preempted" for e in checker.log)
     else:
         assert page.preemptions_total == 0
+
+
+# -- profiles from JSON -------------------------------------------------------------------------
+
+PROFILE_FIELDS = (
+    "name",
+    "max_num_seqs",
+    "kv_capacity_tokens",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "step_base_s",
+    "decode_token_s",
+    "prefill_token_s",
+    "kv_token_s",
+)
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_every_built_in_profile_round_trips_through_json(name: str) -> None:
+    profile = PROFILES[name]
+    document = json.loads(json.dumps(attrs.asdict(profile)))
+    assert profile_from_json(document) == profile
+    del document["source"]
+    assert profile_from_json(document) == attrs.evolve(profile, source="")
+
+
+@given(
+    seqs=st.integers(1, 1024),
+    extra_budget=st.integers(1, 8192),
+    model_len=st.integers(1, 65_536),
+    extra_kv=st.integers(0, 10**6),
+    times=st.tuples(
+        st.floats(1e-6, 1.0), st.floats(0.0, 0.01), st.floats(0.0, 0.01), st.floats(0.0, 1e-6)
+    ),
+)
+def test_any_valid_profile_document_gives_that_profile(
+    seqs: int,
+    extra_budget: int,
+    model_len: int,
+    extra_kv: int,
+    times: tuple[float, float, float, float],
+) -> None:
+    document = {
+        "name": "operator-gpu",
+        "max_num_seqs": seqs,
+        "kv_capacity_tokens": model_len + extra_kv,
+        "max_num_batched_tokens": seqs + extra_budget,
+        "max_model_len": model_len,
+        "step_base_s": times[0],
+        "decode_token_s": times[1],
+        "prefill_token_s": times[2],
+        "kv_token_s": times[3],
+    }
+    profile = profile_from_json(json.loads(json.dumps(document)))
+    assert {field: getattr(profile, field) for field in PROFILE_FIELDS} == document
+
+
+def test_optional_profile_fields_take_the_class_defaults() -> None:
+    profile = profile_from_json(
+        {
+            "name": "x",
+            "max_num_seqs": 8,
+            "kv_capacity_tokens": 20_000,
+            "step_base_s": 0.01,
+            "decode_token_s": 0,
+            "prefill_token_s": 0.0001,
+        }
+    )
+    assert (profile.max_num_batched_tokens, profile.max_model_len) == (2048, 16384)
+    assert profile.kv_token_s == 0.0
+    assert isinstance(profile.decode_token_s, float)
+
+
+GOOD_DOCUMENT: dict[str, object] = {
+    "name": "x",
+    "max_num_seqs": 8,
+    "kv_capacity_tokens": 20_000,
+    "step_base_s": 0.01,
+    "decode_token_s": 0.0001,
+    "prefill_token_s": 0.0001,
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"gpu": "a100"}, "gpu"),
+        ({"name": None}, "name"),
+        ({"name": ""}, "name"),
+        ({"max_num_seqs": 8.0}, "max_num_seqs"),
+        ({"max_num_seqs": True}, "max_num_seqs"),
+        ({"max_num_seqs": "8"}, "max_num_seqs"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"kv_capacity_tokens": -5}, "kv_capacity_tokens"),
+        ({"kv_capacity_tokens": 1000}, "kv_capacity_tokens"),  # below max_model_len
+        ({"max_num_batched_tokens": 8}, "max_num_batched_tokens"),  # not above max_num_seqs
+        ({"step_base_s": 0}, "step_base_s"),
+        ({"step_base_s": "fast"}, "step_base_s"),
+        ({"decode_token_s": -0.1}, "decode_token_s"),
+        ({"prefill_token_s": float("nan")}, "prefill_token_s"),
+        ({"kv_token_s": float("inf")}, "kv_token_s"),
+        ({"source": 3}, "source"),
+    ],
+)
+def test_bad_profile_documents_name_the_field(changes: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        profile_from_json(GOOD_DOCUMENT | changes)
+
+
+def test_missing_profile_fields_are_all_named() -> None:
+    with pytest.raises(ValueError, match="missing step_base_s, prefill_token_s"):
+        profile_from_json(
+            {k: v for k, v in GOOD_DOCUMENT.items() if k not in ("step_base_s", "prefill_token_s")}
+        )
+    with pytest.raises(ValueError, match="JSON object"):
+        profile_from_json([1, 2])  # type: ignore[arg-type]

@@ -107,6 +107,35 @@ EXPECTED: dict[str, BackendSample] = {
             count=6.0,  # line 240, _count
             sum=0.24629998207092285,  # line 241, _sum
         ),
+        prompt_tokens=246.0,  # line 81, vllm:prompt_tokens_total
+        inter_token_latency=Histogram(
+            # lines 247-266: the page predates vllm:inter_token_latency_seconds, so its older
+            # name vllm:time_per_output_token_seconds is read; 1731 of the 1733 gaps <= 25 ms
+            buckets=(
+                (0.01, 0.0),
+                (0.025, 1731.0),
+                (0.05, 1733.0),
+                (0.075, 1733.0),
+                (0.1, 1733.0),
+                (0.15, 1733.0),
+                (0.2, 1733.0),
+                (0.3, 1733.0),
+                (0.4, 1733.0),
+                (0.5, 1733.0),
+                (0.75, 1733.0),
+                (1.0, 1733.0),
+                (2.5, 1733.0),
+                (5.0, 1733.0),
+                (7.5, 1733.0),
+                (10.0, 1733.0),
+                (20.0, 1733.0),
+                (40.0, 1733.0),
+                (80.0, 1733.0),
+                (INF, 1733.0),
+            ),
+            count=1733.0,  # line 267, _count: the 1739 generated tokens less 6 first tokens
+            sum=41.111971570000605,  # line 268, _sum
+        ),
     ),
     VLLM_08: BackendSample(
         flavour=Flavour.VLLM,
@@ -170,6 +199,33 @@ EXPECTED: dict[str, BackendSample] = {
             ),
             count=11008.0,  # line 37
             sum=2351897.9474117756,  # line 15, 2.3518979474117756e+06
+        ),
+        prompt_tokens=8128902.0,  # line 3, sglang:prompt_tokens_total 8.128902e+06
+        inter_token_latency=Histogram(
+            # lines 61-79, sglang:time_per_output_token_seconds_bucket (the pre-0.4.6 name)
+            buckets=(
+                (0.005, 1.0),
+                (0.01, 73.0),
+                (0.015, 382.0),
+                (0.02, 593.0),
+                (0.025, 855.0),
+                (0.03, 1035.0),
+                (0.04, 1815.0),
+                (0.05, 11685.0),
+                (0.075, 433413.0),
+                (0.1, 4950195.0),
+                (0.15, 7039435.0),
+                (0.2, 7171662.0),
+                (0.3, 7266055.0),
+                (0.4, 7296752.0),
+                (0.5, 7312226.0),
+                (0.75, 7339675.0),
+                (1.0, 7357747.0),
+                (2.5, 7389414.0),
+                (INF, 7400757.0),
+            ),
+            count=7400757.0,  # line 80, _count 7.400757e+06
+            sum=866964.5791549598,  # line 60, _sum
         ),
     ),
     SGLANG_051: BackendSample(
@@ -492,6 +548,97 @@ def test_ttft_is_the_first_histogram_with_observations() -> None:
     assert parse_lines(*empty_sgl).ttft == zero
 
 
+def test_prompt_tokens_add_for_vllm_take_the_max_for_sglang_and_prefer_vllm() -> None:
+    vllm = parse_lines(
+        'vllm:prompt_tokens_total{engine="0"} 100',
+        'vllm:prompt_tokens_total{engine="1"} 23',
+        'vllm:prompt_tokens_created{engine="0"} 1.7e9',  # not the counter
+        "vllm:request_prompt_tokens_sum 999",  # the per-request histogram is not read
+    )
+    assert vllm.prompt_tokens == 123.0
+    sglang = parse_lines(
+        'sglang:prompt_tokens_total{tp_rank="0"} 400', 'sglang:prompt_tokens_total{tp_rank="1"} 90'
+    )
+    assert sglang.prompt_tokens == 400.0
+    both = parse_lines("sglang:prompt_tokens_total 400", "vllm:prompt_tokens_total 7")
+    assert both.prompt_tokens == 7.0
+    skipped = parse_lines("vllm:prompt_tokens_total NaN", "sglang:prompt_tokens_total 5")
+    assert skipped.prompt_tokens == 5.0
+    assert parse_lines("vllm:prompt_tokens_total -1").prompt_tokens is None
+    assert parse_lines("vllm:generation_tokens_total 3").prompt_tokens is None
+
+
+ITL = "vllm:inter_token_latency_seconds"
+TPOT = "vllm:time_per_output_token_seconds"
+SGL_ITL = "sglang:inter_token_latency_seconds"
+SGL_TPOT = "sglang:time_per_output_token_seconds"
+
+
+def used(base: str, count: int, total: float) -> tuple[str, ...]:
+    return (
+        f'{base}_bucket{{le="0.05"}} {count - 1}',
+        f'{base}_bucket{{le="+Inf"}} {count}',
+        f"{base}_count {count}",
+        f"{base}_sum {total}",
+    )
+
+
+def test_inter_token_latency_prefers_the_current_names_with_observations() -> None:
+    itl = Histogram(buckets=((0.05, 4.0), (INF, 5.0)), count=5.0, sum=0.2)
+    tpot = Histogram(buckets=((0.05, 6.0), (INF, 7.0)), count=7.0, sum=0.3)
+    sgl = Histogram(buckets=((0.05, 8.0), (INF, 9.0)), count=9.0, sum=0.4)
+    sgl_old = Histogram(buckets=((0.05, 1.0), (INF, 2.0)), count=2.0, sum=0.1)
+    # vLLM 0.10.2 to 0.14 exports both names; the current one is read
+    assert parse_lines(*used(TPOT, 7, 0.3), *used(ITL, 5, 0.2)).inter_token_latency == itl
+    assert parse_lines(*used(TPOT, 7, 0.3)).inter_token_latency == tpot
+    assert parse_lines(*used(SGL_TPOT, 2, 0.1), *used(SGL_ITL, 9, 0.4)).inter_token_latency == sgl
+    assert parse_lines(*used(SGL_TPOT, 2, 0.1)).inter_token_latency == sgl_old
+    assert parse_lines(*used(SGL_ITL, 9, 0.4), *used(TPOT, 7, 0.3)).inter_token_latency == tpot
+    # an empty current histogram gives way to one with observations, as for TTFT
+    empty = (f'{ITL}_bucket{{le="+Inf"}} 0', f"{ITL}_count 0")
+    assert parse_lines(*empty, *used(SGL_ITL, 9, 0.4)).inter_token_latency == sgl
+    zero = Histogram(buckets=((INF, 0.0),), count=0.0, sum=0.0)
+    assert parse_lines(*empty).inter_token_latency == zero
+    # the two families never feed each other
+    only_itl = parse_lines(*used(ITL, 5, 0.2))
+    assert only_itl.ttft is None
+    assert only_itl.inter_token_latency == itl
+    only_ttft = parse_lines(*used(HIST, 5, 0.2))
+    assert only_ttft.inter_token_latency is None
+    assert only_ttft.ttft == itl
+
+
+def test_inter_token_latency_label_sets_add_per_bound() -> None:
+    sample = parse_lines(
+        f'{ITL}_bucket{{engine="0",le="0.025"}} 10',
+        f'{ITL}_bucket{{engine="1",le="0.025"}} 5',
+        f'{ITL}_bucket{{engine="0",le="+Inf"}} 12',
+        f'{ITL}_bucket{{engine="1",le="+Inf"}} 6',
+        f'{ITL}_sum{{engine="0"}} 0.3',
+        f'{ITL}_sum{{engine="1"}} 0.2',
+    )
+    assert sample.inter_token_latency == Histogram(
+        buckets=((0.025, 15.0), (INF, 18.0)), count=18.0, sum=0.5
+    )
+
+
+def test_per_request_time_per_output_token_is_not_read() -> None:
+    sample = parse_lines(
+        *used("vllm:request_time_per_output_token_seconds", 4, 1.0),
+        *used("sglang:request_time_per_output_token_seconds", 4, 1.0),
+        f"{ITL}_created 1.7e9",
+    )
+    assert sample == BackendSample(flavour=Flavour.VLLM)
+
+
+def test_broken_inter_token_latency_lines_are_errors() -> None:
+    with pytest.raises(MetricsParseError, match="le label") as caught:
+        parse_lines("vllm:num_requests_running 1", f'{TPOT}_bucket{{engine="0"}} 5')
+    assert caught.value.line_no == 2
+    with pytest.raises(MetricsParseError, match="no value"):
+        parse_lines("sglang:prompt_tokens_total")
+
+
 @pytest.mark.parametrize(
     "labels",
     [
@@ -629,20 +776,29 @@ PLAIN_RULES: dict[str, tuple[str, str, str]] = {
     "sglang:num_paused_reqs": ("paused", "s", "max"),
     "sglang:generation_tokens_total": ("gen", "s", "max"),
     "sglang:gen_throughput": ("tps", "s", "max"),
+    "vllm:prompt_tokens_total": ("prompt", "v", "sum"),
+    "sglang:prompt_tokens_total": ("prompt", "s", "max"),
 }
 TTFT_BASES = (
     "vllm:time_to_first_token_seconds",
     "vllm:request_time_to_first_token_seconds",
     "sglang:time_to_first_token_seconds",
 )
-HIST_NAMES = tuple(f"{base}_{part}" for base in TTFT_BASES for part in ("bucket", "count", "sum"))
+ITL_BASES = (
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "sglang:inter_token_latency_seconds",
+    "sglang:time_per_output_token_seconds",
+)
+HIST_BASES = (*TTFT_BASES, *ITL_BASES)
+HIST_NAMES = tuple(f"{base}_{part}" for base in HIST_BASES for part in ("bucket", "count", "sum"))
 RELEVANT_NAMES = (*PLAIN_RULES, *HIST_NAMES)
 LABEL_KEYS = ("engine", "model_name", "tp_rank", "handle", "lex", "is_streaming")
 
 
 def test_learner_families_name_exactly_what_is_read() -> None:
     assert len(LEARNER_FAMILIES) == len(set(LEARNER_FAMILIES))
-    assert set(LEARNER_FAMILIES) == {*PLAIN_RULES, *TTFT_BASES}
+    assert set(LEARNER_FAMILIES) == {*PLAIN_RULES, *HIST_BASES}
 
 
 class Series(NamedTuple):
@@ -743,12 +899,13 @@ UNRELATED = (
     "sglang:num_running_reqs_offline_batch 4.0",
     'sglang:num_retracted_requests_total{x="y"} 3.0',
     'vllm:cache_config_info{block_size="16",num_gpu_blocks="850"} 1.0',
-    'vllm:time_per_output_token_seconds_bucket{le="0.1"} 7.0',
+    'vllm:request_time_per_output_token_seconds_bucket{le="0.1"} 7.0',
+    'sglang:request_time_per_output_token_seconds_count{is_streaming="true"} 7.0',
 )
 #: Unrelated lines that prometheus_client refuses (the scanner never looks at them).
 UNRELATED_BROKEN = (
     "python_info{broken 1",
-    'vllm:time_per_output_token_seconds_bucket{engine="0" 5',
+    'vllm:request_time_per_output_token_seconds_bucket{engine="0" 5',
     "http_x",
     "vllm:num_requests_running_x{",
     "sglang:foo 1 2 3 4",
@@ -770,7 +927,7 @@ def assemble_page(items: list[Series | str], crlf: bool, final_newline: bool) ->
 def reference_sample(items: list[Series | str]) -> BackendSample:
     """The rules applied straight to the generated series, without any text parsing."""
     found: dict[tuple[str, str], float] = {}  # (field, engine) -> combined value
-    per_bound = {base: dict[float, float]() for base in TTFT_BASES}
+    per_bound = {base: dict[float, float]() for base in HIST_BASES}
     counts: dict[str, float] = {}
     sums: dict[str, float] = {}
     present: set[str] = set()
@@ -829,19 +986,20 @@ def reference_sample(items: list[Series | str]) -> BackendSample:
         for extra in parts[1:]:
             preemptions += extra
 
-    ttft = None
-    for base in TTFT_BASES:
-        if base not in present:
-            continue
-        count = counts.get(base, per_bound[base].get(INF, 0.0))
-        histogram = Histogram(
-            buckets=tuple(per_bound[base].items()), count=count, sum=sums.get(base, 0.0)
-        )
-        if count > 0:
-            ttft = histogram
-            break
-        if ttft is None:
-            ttft = histogram
+    def first_histogram(bases: tuple[str, ...]) -> Histogram | None:
+        chosen = None
+        for base in bases:
+            if base not in present:
+                continue
+            count = counts.get(base, per_bound[base].get(INF, 0.0))
+            histogram = Histogram(
+                buckets=tuple(per_bound[base].items()), count=count, sum=sums.get(base, 0.0)
+            )
+            if count > 0:
+                return histogram
+            if chosen is None:
+                chosen = histogram
+        return chosen
 
     if any(name.startswith("vllm:") for name in names):
         flavour = Flavour.VLLM
@@ -857,7 +1015,9 @@ def reference_sample(items: list[Series | str]) -> BackendSample:
         preemptions=preemptions,
         generation_tokens=pick(("gen", "v"), ("gen", "s")),
         generation_tps=pick(("tps", "s")) if ("gen", "v") not in found else None,
-        ttft=ttft,
+        ttft=first_histogram(TTFT_BASES),
+        prompt_tokens=pick(("prompt", "v"), ("prompt", "s")),
+        inter_token_latency=first_histogram(ITL_BASES),
     )
 
 
@@ -951,14 +1111,22 @@ def check_outcome(text: str | bytes) -> None:
     except MetricsParseError as error:
         check_error(text, error)
         return
-    for field in ("running", "waiting", "kv_usage", "preemptions", "generation_tokens"):
+    for field in (
+        "running",
+        "waiting",
+        "kv_usage",
+        "preemptions",
+        "generation_tokens",
+        "prompt_tokens",
+    ):
         value = getattr(sample, field)
         assert value is None or value >= 0, (field, value)
     assert sample.generation_tps is None or sample.generation_tps >= 0
-    if sample.ttft is not None:
-        assert sample.ttft.count >= 0
-        assert sample.ttft.sum >= 0
-        assert all(not math.isnan(bound) and count >= 0 for bound, count in sample.ttft.buckets)
+    for histogram in (sample.ttft, sample.inter_token_latency):
+        if histogram is not None:
+            assert histogram.count >= 0
+            assert histogram.sum >= 0
+            assert all(not math.isnan(bound) and count >= 0 for bound, count in histogram.buckets)
 
 
 def check_error(text: str | bytes, error: MetricsParseError) -> None:

@@ -48,10 +48,47 @@ def test_the_whole_azure_conversation_trace_loads() -> None:
 def test_the_mooncake_prefix_loads() -> None:
     requests = load_trace(MOONCAKE, strict=True)
     assert len(requests) == 7_980
-    assert requests[0] == TraceRequest(arrival_s=0.0, prompt_tokens=6758, output_tokens=500)
+    assert requests[0] == TraceRequest(
+        arrival_s=0.0, prompt_tokens=6758, output_tokens=500, hash_ids=tuple(range(14))
+    )
+    assert requests[1].hash_ids == (0, *range(14, 28))  # shares its first block with the first
     assert requests[-1].arrival_s == pytest.approx(2432.999)
     arrivals = [r.arrival_s for r in requests]
     assert arrivals == sorted(arrivals)
+    # one id per started 512-token block, on every row: the block size the READMEs state
+    assert all(len(r.hash_ids) == -(-r.prompt_tokens // 512) for r in requests)
+
+
+def test_hash_ids_are_read_and_malformed_ones_skip_the_row(tmp_path: Path) -> None:
+    base = {"timestamp": 0, "input_length": 1000, "output_length": 5}
+    lines = [
+        json.dumps(base | {"hash_ids": [7, 8]}),
+        json.dumps(base | {"timestamp": 1}),  # no hash_ids: none known
+        json.dumps(base | {"timestamp": 2, "hash_ids": []}),
+        json.dumps(base | {"timestamp": 3, "hash_ids": [1, -2]}),
+        json.dumps(base | {"timestamp": 4, "hash_ids": [1, 2.5]}),
+        json.dumps(base | {"timestamp": 5, "hash_ids": [True]}),
+        json.dumps(base | {"timestamp": 6, "hash_ids": "0,1"}),
+        json.dumps(base | {"timestamp": 7, "hash_ids": None}),
+        json.dumps(base | {"timestamp": 8, "hash_ids": [[1]]}),
+        json.dumps(base | {"timestamp": 9, "hash_ids": [3, 3, 2**40]}),
+    ]
+    path = tmp_path / "hashes.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    trace = read_trace(path)
+    assert [r.hash_ids for r in trace.requests] == [(7, 8), (), (), (3, 3, 2**40)]
+    assert [e.line_no for e in trace.skipped] == [4, 5, 6, 7, 8, 9]
+    reasons = [e.reason for e in trace.skipped]
+    assert reasons[0] == "hash_ids[1] must be a non-negative whole number, got -2"
+    assert reasons[1] == "hash_ids[1] must be a non-negative whole number, got 2.5"
+    assert reasons[2] == "hash_ids[0] must be a non-negative whole number, got True"
+    assert reasons[3] == "hash_ids must be a list of block ids, got str"
+    assert reasons[4] == "hash_ids must be a list of block ids, got NoneType"
+    assert reasons[5] == "hash_ids[0] must be a non-negative whole number, got [1]"
+    with pytest.raises(TraceError, match=r"hashes\.jsonl:4: hash_ids\[1\]"):
+        read_trace(path, strict=True)
+    azure = parse_trace([AZURE_HEADER, "2023-11-16 18:15:46.5,10,2"]).requests
+    assert azure[0].hash_ids == ()
 
 
 def test_the_format_is_recognised_from_content_not_from_the_name(tmp_path: Path) -> None:
@@ -107,7 +144,7 @@ def test_malformed_mooncake_rows_are_skipped_and_reported(tmp_path: Path) -> Non
     trace = read_trace(path)
     assert trace.format is TraceFormat.MOONCAKE_JSONL
     assert trace.requests == (
-        TraceRequest(arrival_s=0.0, prompt_tokens=100, output_tokens=20),
+        TraceRequest(arrival_s=0.0, prompt_tokens=100, output_tokens=20, hash_ids=(0,)),
         TraceRequest(arrival_s=1.0, prompt_tokens=7, output_tokens=3),
     )
     assert [e.line_no for e in trace.skipped] == [2, 3, 4, 5, 6]
@@ -197,6 +234,21 @@ def test_scaling_divides_arrival_times_and_keeps_everything_else(
         )
     arrivals = [r.arrival_s for r in scaled]
     assert arrivals == sorted(arrivals)
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 2**63), max_size=5), min_size=1, max_size=10),
+    st.floats(min_value=0.01, max_value=100.0),
+)
+def test_scaling_and_cutting_keep_the_hash_ids(ids: list[list[int]], factor: float) -> None:
+    lines = [
+        json.dumps({"timestamp": i, "input_length": 1, "output_length": 1, "hash_ids": block})
+        for i, block in enumerate(ids)
+    ]
+    trace = parse_trace(lines, strict=True).requests
+    assert [r.hash_ids for r in trace] == [tuple(block) for block in ids]
+    assert [r.hash_ids for r in scale_rate(trace, factor)] == [tuple(block) for block in ids]
+    assert [r.hash_ids for r in head(trace, 1e9)] == [tuple(block) for block in ids]
 
 
 @pytest.mark.parametrize("factor", [0.0, -1.0, float("nan"), float("inf")])

@@ -181,7 +181,7 @@ def test_global_limit_holds_when_the_published_cap_is_higher() -> None:
 def test_wait_ends_at_the_deadline_with_a_reject() -> None:
     gate = fill(open_gate(1), P)
     gate, queued = attempt(gate, P, at=10.0)
-    assert queued == Queued(P, 10.5, RejectCode.GLOBAL_DYNAMIC_LIMIT)
+    assert queued == Queued(P, 10.5, RejectCode.GLOBAL_DYNAMIC_LIMIT, arrived_at=10.0)
     step = apply_gate_event(gate, WaitRetried(10.2, queued))
     assert step.outcome == queued
     assert step.state == gate

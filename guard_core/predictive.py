@@ -1,0 +1,656 @@
+"""The predictive learner: admit a request when the engine model says everyone stays fast.
+
+Selected by ``DYNAMIC_POLICY=predictive``; PIG's pipeline (:mod:`guard_core.evaluation`) is left
+exactly as it is and still runs beside it, for its state reasons and its intake rules.
+
+Reads:
+- from every poll, per backend, the deltas of the engine's counters and histograms: generation
+  and prompt tokens, the inter-token-latency histogram, running, waiting and KV usage;
+- from the guard itself: each forwarded request's body size (its prompt estimate), the moment its
+  first useful token came (measured from forwarding, so a short wait in the guard is never
+  mistaken for engine latency), and its end.
+
+Learns (per backend): an :class:`~guard_core.engine_fit.EngineFit` of the step-time law; the
+body bytes per prompt token, from the engine's own prompt-token counter against the bodies whose
+prefill ended in the same interval; KV usage per token in flight; how long a request decodes.
+
+Guarantees:
+- pure: every function takes the state and ``at`` and returns a new value; nothing is read from
+  a clock;
+- :func:`assess` forwards a request only when, with it, the predicted per-user decode speed of
+  every decoding sequence stays at or above ``DYNAMIC_SINGLE_USER_TPS_YELLOW``, the predicted
+  time to its first token beyond what its prompt alone needs on an idle engine (queueing and
+  interference, plus what it already waited in the guard) stays within
+  ``DYNAMIC_TTFT_TARGET_SECONDS``, and the predicted KV usage stays at or below
+  ``DYNAMIC_PREDICTIVE_KV_LIMIT``; a basic request must also leave the premium reserve free;
+- each verdict and each published cap carries its explanation (:class:`Prediction`): the
+  predicted speed, TTFT and KV usage, the binding constraint, and the fit;
+- with several backends the load is taken as spread evenly over the healthy ones and the most
+  pessimistic backend's fit is used.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from guard_core._errors import PolicyConfigError
+from guard_core.engine_fit import EngineFit, Interval, observe
+from guard_core.evaluation import BackendPoll
+from guard_core.observations import BackendSample
+from guard_core.policy import PolicyConfig
+
+__all__ = (
+    "Binding",
+    "FitSummary",
+    "Prediction",
+    "PredictiveConfig",
+    "PredictiveState",
+    "Verdict",
+    "assess",
+    "finished",
+    "first_token",
+    "forwarded",
+    "polled",
+    "published_cap",
+    "retry_after_s",
+)
+
+#: Each interval the fit learns from spans this many polls (overlapping): a prompt is counted by
+#: the engine when its prefill ends, so a one-poll interval sees prefill work and its tokens
+#: fall on different sides of a poll; a longer span makes that boundary matter less.
+_WINDOW_POLLS = 3
+#: Smoothing of the learned ratios (per poll or per finished request).
+_RATIO_SMOOTHING = 0.7
+#: An interval is learned from only when the engine decoded at least this many tokens in it.
+_MIN_INTERVAL_TOKENS = 20
+#: Bytes-per-token samples need this many prompt tokens in the interval.
+_MIN_PROMPT_TOKENS = 500
+_MIN_HORIZON_S = 0.5
+_MAX_HORIZON_S = 60.0
+#: Without a body size, a request is taken to have this many prompt tokens.
+_UNKNOWN_PROMPT_TOKENS = 512.0
+_MAX_RETRY_AFTER_S = 30
+#: The TTFT correction learns only from requests predicted to wait at least this long (shorter
+#: ones are dominated by one step's rounding), is bounded, and is smoothed per request.
+_MIN_PREDICTED_FIRST_S = 0.1
+_MAX_TTFT_RATIO = 5.0
+_TTFT_RATIO_SMOOTHING = 0.95
+
+
+class Binding(enum.StrEnum):
+    """Which prediction refused (or limited) admission."""
+
+    NONE = "none"
+    SPEED = "predicted_speed"
+    TTFT = "predicted_ttft"
+    KV = "predicted_kv"
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise PolicyConfigError(message)
+
+
+@attrs.frozen(kw_only=True)
+class PredictiveConfig:
+    """Settings of the predictive learner (``DYNAMIC_PREDICTIVE_*``)."""
+
+    #: ``DYNAMIC_SINGLE_USER_TPS_YELLOW``: the per-user speed every decoding user keeps.
+    user_tps_target: float = 25.0
+    #: ``DYNAMIC_TTFT_TARGET_SECONDS``: the most queueing and interference a first token may see.
+    ttft_target_s: float = 1.0
+    #: The engine's token budget per step (vLLM ``max_num_batched_tokens``).
+    batch_tokens: int = 2048
+    #: Per-poll forgetting factor of the engine fit: lower follows changes faster.
+    forgetting: float = 0.9
+    #: Highest predicted KV-cache usage a new request may bring the engine to.
+    kv_limit: float = 0.9
+    #: Body bytes per prompt token assumed until the backend's counter has taught the real ratio.
+    bytes_per_token: float = 4.0
+    #: The window over which the prompt tokens forwarded count as the engine's prefill load (an
+    #: exponential decay with this time constant): short enough that a burst of long prompts,
+    #: which stalls every decoder while it is prefilled, is seen as the burst it is.
+    horizon_s: float = 3.0
+    global_limit: int = 512
+
+    def __attrs_post_init__(self) -> None:
+        _check(self.user_tps_target > 0, "DYNAMIC_SINGLE_USER_TPS_YELLOW must be > 0")
+        _check(self.ttft_target_s > 0, "DYNAMIC_TTFT_TARGET_SECONDS must be > 0")
+        _check(self.batch_tokens >= 16, "DYNAMIC_PREDICTIVE_BATCH_TOKENS must be >= 16")
+        _check(0.5 <= self.forgetting < 1, "DYNAMIC_PREDICTIVE_FORGETTING must be in [0.5, 1)")
+        _check(0 < self.kv_limit <= 1, "DYNAMIC_PREDICTIVE_KV_LIMIT must be in (0, 1]")
+        _check(
+            0 < self.bytes_per_token < math.inf,
+            "DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN must be > 0",
+        )
+        _check(
+            _MIN_HORIZON_S <= self.horizon_s <= _MAX_HORIZON_S,
+            f"DYNAMIC_PREDICTIVE_HORIZON_SECONDS must be in [{_MIN_HORIZON_S:g},"
+            f" {_MAX_HORIZON_S:g}]",
+        )
+        _check(self.global_limit >= 0, "GLOBAL_LIMIT must be >= 0")
+
+    @classmethod
+    def from_policy(cls, policy: PolicyConfig, **settings: Any) -> PredictiveConfig:
+        """Targets shared with PIG's learner come from its settings; the rest as given."""
+        return cls(
+            user_tps_target=policy.user_tps_yellow,
+            ttft_target_s=policy.ttft_target_s,
+            global_limit=policy.global_limit,
+            **settings,
+        )
+
+
+@attrs.frozen
+class FitSummary:
+    """The fit behind a prediction, in plain units."""
+
+    step_base_s: float
+    per_decoder_s: float
+    per_kv_s: float
+    per_prompt_token_s: float
+    relative_error: float
+    observations: int
+
+    @classmethod
+    def of(cls, fit: EngineFit) -> FitSummary:
+        return cls(
+            fit.step_base_s,
+            fit.per_decoder_s,
+            fit.per_kv_s,
+            fit.per_prompt_token_s,
+            fit.relative_error,
+            fit.observations,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class Prediction:
+    """Why the learner admitted, refused or capped: the predictions and the binding constraint."""
+
+    user_tps: float
+    ttft_s: float
+    kv_usage: float
+    binding: Binding
+    fit: FitSummary
+    #: The cap in requests in flight that keeps the speed target at the current prompt load.
+    cap: int = 0
+
+
+@attrs.frozen
+class Verdict:
+    admit: bool
+    prediction: Prediction
+
+
+@attrs.frozen
+class _Tracked:
+    tokens: float
+    body_bytes: int | None
+    forwarded_at: float
+    #: Predicted seconds from forwarding to the first token, when it was forwarded.
+    predicted_first_s: float = 0.0
+    first_at: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class PredictiveState:
+    """Everything the predictive learner carries."""
+
+    config: PredictiveConfig
+    fits: Mapping[str, EngineFit] = attrs.field(factory=dict)
+    #: The latest samples of each backend (up to ``_WINDOW_POLLS + 1``) and when they were taken.
+    samples: Mapping[str, tuple[tuple[float, BackendSample], ...]] = attrs.field(factory=dict)
+    healthy: int = 0
+    #: Requests forwarded and not yet ended (never mutated in place).
+    requests: Mapping[int, _Tracked] = attrs.field(factory=dict)
+    pending_tokens: float = 0.0
+    pending_count: int = 0
+    decoders: int = 0
+    #: Sum of the first-token times of the decoding requests (their tokens so far follow).
+    decoders_first_sum: float = 0.0
+    inflight_prompt_tokens: float = 0.0
+    #: Estimated prompt tokens forwarded, decayed with the horizon, as of ``admitted_at``.
+    admitted_tokens: float = 0.0
+    admitted_at: float = 0.0
+    #: The same for premium requests alone: what basic requests leave room for.
+    premium_tokens: float = 0.0
+    premium_at: float = 0.0
+    #: Observed over predicted time from forwarding to first token (smoothed): corrects the
+    #: TTFT prediction for what the step law cannot see (prefix-cache hits, the real chunk
+    #: size, scheduler details).
+    ttft_ratio: float | None = None
+    bytes_per_token: float | None = None
+    #: Body bytes of requests whose first token came, cumulative, and at the latest poll.
+    first_token_bytes: float = 0.0
+    first_token_bytes_at_poll: float = 0.0
+    kv_per_token: float | None = None
+    #: Mean seconds from first token to end of the requests that finished.
+    decode_s: float | None = None
+    kv_usage: float = 0.0
+    waiting: float = 0.0
+    inter_token_s: float | None = None
+    #: The explanation behind the latest verdict and the latest published cap.
+    last_verdict: Prediction | None = None
+    last_cap: Prediction | None = None
+
+    @classmethod
+    def initial(cls, config: PredictiveConfig) -> PredictiveState:
+        return cls(config=config)
+
+    # -- derived figures -----------------------------------------------------------------------
+
+    @property
+    def ratio(self) -> float:
+        if self.bytes_per_token is not None:
+            return self.bytes_per_token
+        return self.config.bytes_per_token
+
+    @property
+    def horizon(self) -> float:
+        return self.config.horizon_s
+
+    @property
+    def decode_seconds(self) -> float:
+        """How long a request decodes, learned from finished ones (the window until learned)."""
+        return self.decode_s if self.decode_s is not None else 10.0
+
+    def prompt_tokens(self, body_bytes: int | None) -> float:
+        """The prompt estimate for a body of this size."""
+        if body_bytes is None:
+            return _UNKNOWN_PROMPT_TOKENS
+        return max(1.0, body_bytes / self.ratio)
+
+    def fit(self) -> EngineFit:
+        """The most pessimistic backend's fit (the prior when none has been learned)."""
+        if not self.fits:
+            return EngineFit()
+        return max(self.fits.values(), key=lambda fit: fit.decode_step_s(32, 0.3))
+
+    def admitted_decayed(self, at: float) -> float:
+        elapsed = max(0.0, at - self.admitted_at)
+        return self.admitted_tokens * math.exp(-elapsed / self.horizon)
+
+    def premium_decayed(self, at: float) -> float:
+        elapsed = max(0.0, at - self.premium_at)
+        return self.premium_tokens * math.exp(-elapsed / self.horizon)
+
+    def first_token_s(self, queued_tokens: float, *, at: float) -> float:
+        """Predicted seconds until ``queued_tokens`` more prompt tokens are prefilled."""
+        share = max(1, self.healthy)
+        fit = self.fit()
+        kv = self.kv_usage
+        if self.kv_per_token is not None:
+            kv = self.kv_per_token * self.tokens_in_flight(at) / share
+        return fit.prefill_s(
+            self.pending_tokens / share + queued_tokens,
+            decoders=self.decoders / share,
+            kv_usage=kv,
+            chunk=self.config.batch_tokens,
+        )
+
+    def tokens_in_flight(self, at: float) -> float:
+        """Prompt plus generated tokens the forwarded requests hold, estimated."""
+        generated = 0.0
+        if self.inter_token_s and self.decoders:
+            generated = max(0.0, self.decoders * at - self.decoders_first_sum) / self.inter_token_s
+        return self.inflight_prompt_tokens + generated
+
+
+# -- request events --------------------------------------------------------------------------
+
+
+def forwarded(
+    state: PredictiveState,
+    request_id: int,
+    body_bytes: int | None,
+    *,
+    at: float,
+    premium: bool = False,
+) -> PredictiveState:
+    """A request was forwarded: its prompt is queued for prefill."""
+    if request_id in state.requests:
+        return state
+    tokens = state.prompt_tokens(body_bytes)
+    tracked = _Tracked(tokens, body_bytes, at, state.first_token_s(tokens, at=at))
+    requests = {**state.requests, request_id: tracked}
+    state = attrs.evolve(
+        state,
+        requests=requests,
+        pending_tokens=state.pending_tokens + tokens,
+        pending_count=state.pending_count + 1,
+        inflight_prompt_tokens=state.inflight_prompt_tokens + tokens,
+        admitted_tokens=state.admitted_decayed(at) + tokens,
+        admitted_at=max(at, state.admitted_at),
+    )
+    if premium:
+        state = attrs.evolve(
+            state,
+            premium_tokens=state.premium_decayed(at) + tokens,
+            premium_at=max(at, state.premium_at),
+        )
+    return state
+
+
+def first_token(state: PredictiveState, request_id: int | None, *, at: float) -> PredictiveState:
+    """A forwarded request's first useful token came: it decodes from now on."""
+    if request_id is None:
+        return state
+    tracked = state.requests.get(request_id)
+    if tracked is None or tracked.first_at is not None:
+        return state
+    requests = {**state.requests, request_id: attrs.evolve(tracked, first_at=at)}
+    size = tracked.body_bytes if tracked.body_bytes is not None else tracked.tokens * state.ratio
+    ttft_ratio = state.ttft_ratio
+    if tracked.predicted_first_s >= _MIN_PREDICTED_FIRST_S:
+        observed = (at - tracked.forwarded_at) / tracked.predicted_first_s
+        observed = min(_MAX_TTFT_RATIO, max(1 / _MAX_TTFT_RATIO, observed))
+        ttft_ratio = (
+            observed
+            if ttft_ratio is None
+            else ttft_ratio * _TTFT_RATIO_SMOOTHING + observed * (1 - _TTFT_RATIO_SMOOTHING)
+        )
+    return attrs.evolve(
+        state,
+        ttft_ratio=ttft_ratio,
+        requests=requests,
+        pending_tokens=max(0.0, state.pending_tokens - tracked.tokens),
+        pending_count=max(0, state.pending_count - 1),
+        decoders=state.decoders + 1,
+        decoders_first_sum=state.decoders_first_sum + at,
+        first_token_bytes=state.first_token_bytes + size,
+    )
+
+
+def finished(state: PredictiveState, request_id: int, *, at: float) -> PredictiveState:
+    """A forwarded request ended (any way); a decoded one teaches how long decoding lasts."""
+    tracked = state.requests.get(request_id)
+    if tracked is None:
+        return state
+    requests = {rid: t for rid, t in state.requests.items() if rid != request_id}
+    changes: dict[str, Any] = {
+        "requests": requests,
+        "inflight_prompt_tokens": max(0.0, state.inflight_prompt_tokens - tracked.tokens),
+    }
+    if tracked.first_at is None:
+        changes["pending_tokens"] = max(0.0, state.pending_tokens - tracked.tokens)
+        changes["pending_count"] = max(0, state.pending_count - 1)
+    else:
+        changes["decoders"] = max(0, state.decoders - 1)
+        changes["decoders_first_sum"] = state.decoders_first_sum - tracked.first_at
+        lasted = min(_MAX_HORIZON_S, max(_MIN_HORIZON_S, at - tracked.first_at))
+        previous = state.decode_s
+        changes["decode_s"] = (
+            lasted
+            if previous is None
+            else previous * _RATIO_SMOOTHING + lasted * (1 - _RATIO_SMOOTHING)
+        )
+    if not requests:
+        changes["decoders"] = 0
+        changes["decoders_first_sum"] = 0.0
+        changes["pending_tokens"] = 0.0
+        changes["pending_count"] = 0
+        changes["inflight_prompt_tokens"] = 0.0
+    return attrs.evolve(state, **changes)
+
+
+# -- polls -----------------------------------------------------------------------------------
+
+
+def _delta(now: float | None, before: float | None) -> float | None:
+    if now is None or before is None or now < before:
+        return None
+    return now - before
+
+
+def _interval(
+    before: tuple[float, BackendSample], sample: BackendSample, *, at: float
+) -> Interval | None:
+    """What the backend did since its previous sample, when enough decoding happened."""
+    then, previous = before
+    elapsed = at - then
+    if elapsed <= 0:
+        return None
+    generated = _delta(sample.generation_tokens, previous.generation_tokens)
+    if generated is None or generated < _MIN_INTERVAL_TOKENS:
+        return None
+    itl_now, itl_before = sample.inter_token_latency, previous.inter_token_latency
+    inter_token: float | None = None
+    if itl_now is not None and itl_before is not None:
+        count = itl_now.count - itl_before.count
+        total = itl_now.sum - itl_before.sum
+        if count >= _MIN_INTERVAL_TOKENS and total > 0:
+            inter_token = total / count
+    rate = generated / elapsed
+    if inter_token is None:
+        # No latency histogram: the running gauge stands in for the decoders.
+        running = [v for v in (sample.running, previous.running) if v is not None]
+        if not running:
+            return None
+        inter_token = (sum(running) / len(running)) / rate
+        if inter_token <= 0:
+            return None
+    prompt = _delta(sample.prompt_tokens, previous.prompt_tokens)
+    usage = [v for v in (sample.kv_usage, previous.kv_usage) if v is not None]
+    return Interval(
+        inter_token_s=inter_token,
+        decoders=rate * inter_token,
+        kv_usage=sum(usage) / len(usage) if usage else 0.0,
+        prompt_tps=(prompt or 0.0) / elapsed,
+    )
+
+
+def polled(state: PredictiveState, polls: tuple[BackendPoll, ...], *, at: float) -> PredictiveState:
+    """Learn from one poll round."""
+    config = state.config
+    fits = dict(state.fits)
+    samples = dict(state.samples)
+    prompt_delta = 0.0
+    healthy = 0
+    usages: list[float] = []
+    waiting = 0.0
+    inter_tokens: list[float] = []
+    for poll in polls:
+        sample = poll.sample
+        if sample is None:
+            continue
+        healthy += 1
+        history = samples.get(poll.name, ())
+        if history:
+            interval = _interval(history[0], sample, at=at)
+            if interval is not None:
+                fit = fits.get(poll.name, EngineFit())
+                fits[poll.name] = observe(fit, interval, forgetting=config.forgetting)
+                inter_tokens.append(interval.inter_token_s)
+            prompt = _delta(sample.prompt_tokens, history[-1][1].prompt_tokens)
+            if prompt is not None:
+                prompt_delta += prompt
+        samples[poll.name] = (*history, (at, sample))[-_WINDOW_POLLS - 1 :]
+        if sample.kv_usage is not None:
+            usages.append(sample.kv_usage)
+        waiting += sample.waiting or 0.0
+    changes: dict[str, Any] = {"fits": fits, "samples": samples, "healthy": healthy}
+    if healthy:
+        changes["waiting"] = waiting
+        changes["kv_usage"] = max(usages) if usages else 0.0
+    if inter_tokens:
+        changes["inter_token_s"] = max(inter_tokens)
+    bytes_delta = state.first_token_bytes - state.first_token_bytes_at_poll
+    if prompt_delta >= _MIN_PROMPT_TOKENS and bytes_delta > 0:
+        observed = bytes_delta / prompt_delta
+        previous = state.bytes_per_token
+        changes["bytes_per_token"] = (
+            observed
+            if previous is None
+            else previous * _RATIO_SMOOTHING + observed * (1 - _RATIO_SMOOTHING)
+        )
+    changes["first_token_bytes_at_poll"] = state.first_token_bytes
+    state = attrs.evolve(state, **changes)
+    tokens = state.tokens_in_flight(at) / max(1, healthy)
+    if healthy and usages and tokens >= 1000:
+        observed_kv = state.kv_usage / tokens
+        previous_kv = state.kv_per_token
+        state = attrs.evolve(
+            state,
+            kv_per_token=observed_kv
+            if previous_kv is None
+            else previous_kv * _RATIO_SMOOTHING + observed_kv * (1 - _RATIO_SMOOTHING),
+        )
+    return state
+
+
+# -- predictions -----------------------------------------------------------------------------
+
+
+def _kv_after(state: PredictiveState, extra_tokens: float, *, at: float, share: int) -> float:
+    """KV usage once ``extra_tokens`` more are held: from the learned usage per token when
+    known (it follows every forward and end at once), else the latest poll's gauge."""
+    if state.kv_per_token is None:
+        return state.kv_usage
+    return state.kv_per_token * (state.tokens_in_flight(at) + extra_tokens) / share
+
+
+def _predict(
+    state: PredictiveState,
+    tokens: float,
+    *,
+    extra_decoders: int,
+    extra_prompt_tokens: float,
+    waited_s: float,
+    at: float,
+) -> Prediction:
+    config = state.config
+    share = max(1, state.healthy)
+    fit = state.fit()
+    decoders = (state.decoders + state.pending_count + 1 + extra_decoders) / share
+    kv = _kv_after(state, tokens, at=at, share=share)
+    load = state.admitted_decayed(at) + tokens + extra_prompt_tokens
+    inter_token = fit.inter_token_s(decoders, kv, load / state.horizon / share)
+    speed = 0.0 if math.isinf(inter_token) else 1.0 / inter_token
+    queued = state.pending_tokens / share + tokens
+    now_decoding = state.decoders / share
+    ttft = fit.prefill_s(
+        queued, decoders=now_decoding, kv_usage=kv, chunk=config.batch_tokens
+    ) - fit.idle_prefill_s(tokens, chunk=config.batch_tokens)
+    ttft = max(0.0, ttft) * (state.ttft_ratio or 1.0) + max(0.0, waited_s)
+    if speed < config.user_tps_target:
+        binding = Binding.SPEED
+    elif ttft > config.ttft_target_s:
+        binding = Binding.TTFT
+    elif kv > config.kv_limit:
+        binding = Binding.KV
+    else:
+        binding = Binding.NONE
+    return Prediction(
+        user_tps=speed, ttft_s=ttft, kv_usage=kv, binding=binding, fit=FitSummary.of(fit)
+    )
+
+
+def assess(
+    state: PredictiveState,
+    body_bytes: int | None,
+    *,
+    reserve: int,
+    waited_s: float,
+    at: float,
+) -> Verdict:
+    """Whether a request of this body size may be forwarded now.
+
+    ``reserve`` is the number of slots a basic request must leave for premium (0 for premium);
+    they count as decoders in the speed prediction. ``waited_s`` is how long the request has
+    already been held by the guard: it counts against the TTFT target.
+    """
+    tokens = state.prompt_tokens(body_bytes)
+    # A basic request also leaves room for as much premium prompt load as came recently.
+    extra = state.premium_decayed(at) if reserve > 0 else 0.0
+    prediction = _predict(
+        state,
+        tokens,
+        extra_decoders=reserve,
+        extra_prompt_tokens=extra,
+        waited_s=waited_s,
+        at=at,
+    )
+    if state.decoders + state.pending_count == 0 and prediction.binding is not Binding.KV:
+        # An idle engine takes any request: nothing running can be slowed, nothing queued.
+        return Verdict(True, attrs.evolve(prediction, binding=Binding.NONE))
+    return Verdict(prediction.binding is Binding.NONE, prediction)
+
+
+def published_cap(state: PredictiveState, *, at: float) -> Prediction:
+    """The most requests in flight that keep the speed target at the current prompt load.
+
+    The per-request checks of :func:`assess` still apply under this cap; the cap is what the
+    gate's tier rules (the premium reserve) are computed from, and what operators see.
+    """
+    config = state.config
+    share = max(1, state.healthy)
+    fit = state.fit()
+    prompt_tps = state.admitted_decayed(at) / state.horizon / share
+    inflight = state.decoders + state.pending_count
+    per_request_kv = 0.0
+    if state.kv_per_token is not None and inflight:
+        per_request_kv = state.kv_per_token * state.tokens_in_flight(at) / inflight
+    limit = config.global_limit
+
+    def fast_enough(count: int) -> bool:
+        per_backend = count / share
+        kv = min(1.0, per_request_kv * per_backend)
+        return 1.0 / fit.inter_token_s(per_backend, kv, prompt_tps) >= config.user_tps_target
+
+    low, high = 0, limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fast_enough(middle):
+            low = middle
+        else:
+            high = middle - 1
+    cap = max(1, low) if limit > 0 else 0
+    per_backend = cap / share
+    kv = min(1.0, per_request_kv * per_backend)
+    inter_token = fit.inter_token_s(per_backend, kv, prompt_tps)
+    return Prediction(
+        user_tps=0.0 if math.isinf(inter_token) else 1.0 / inter_token,
+        ttft_s=fit.prefill_s(
+            state.pending_tokens / share,
+            decoders=state.decoders / share,
+            kv_usage=state.kv_usage,
+            chunk=config.batch_tokens,
+        ),
+        kv_usage=state.kv_usage,
+        binding=Binding.SPEED if cap < limit else Binding.NONE,
+        fit=FitSummary.of(fit),
+        cap=cap,
+    )
+
+
+def retry_after_s(state: PredictiveState, prediction: Prediction, *, at: float) -> int:
+    """Whole seconds until the binding constraint is predicted to have room again (1 to 30)."""
+    fit = state.fit()
+    share = max(1, state.healthy)
+    if prediction.binding is Binding.TTFT:
+        seconds = fit.prefill_s(
+            state.pending_tokens / share,
+            decoders=state.decoders / share,
+            kv_usage=state.kv_usage,
+            chunk=state.config.batch_tokens,
+        )
+    else:
+        # Speed or KV: room comes back as running requests finish; with an even spread of end
+        # times, the first of ``n`` decoders ends after about horizon / n.
+        running = max(1, state.decoders + state.pending_count)
+        seconds = state.decode_seconds / running * max(1.0, _excess(state, prediction))
+    return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(seconds)))
+
+
+def _excess(state: PredictiveState, prediction: Prediction) -> float:
+    """How many requests must end before the prediction meets its target (at least 1)."""
+    target = state.config.user_tps_target
+    if prediction.binding is Binding.SPEED and prediction.user_tps > 0:
+        return max(1.0, (state.decoders + state.pending_count) * (1 - prediction.user_tps / target))
+    return 1.0
