@@ -93,7 +93,8 @@ def simulate(session: nox.Session) -> None:
     """A request trace through the simulated engine under several policies, in virtual time.
 
     ``nox -s simulate -- --trace FILE --policy guard --rate-scale 4 --plot out/``; without
-    arguments: the Azure conversation trace at its own rate under none, static:32 and guard.
+    arguments: the Azure conversation trace at its own rate under none, static:32, guard and
+    predictive.
     """
     session.install("-e", ".[plot]")
     args = session.posargs or [
@@ -107,6 +108,8 @@ def simulate(session: nox.Session) -> None:
         "static:32",
         "--policy",
         "guard",
+        "--policy",
+        "predictive",
     ]
     session.run("inference-guard", "simulate", *args)
 
@@ -124,7 +127,7 @@ def policy(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The one-minute demonstration: simulated backend, guard and load; ``-- --quick`` for 12 s."""
+    """The 90-second demonstration: simulated backend, guard and load; ``-- --quick`` for 36 s."""
     session.install("-e", ".")
     session.run("inference-guard", "demo", *session.posargs)
 

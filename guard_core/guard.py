@@ -214,7 +214,11 @@ def _predictive_attempt(
     if isinstance(step.outcome, Admitted):
         waited, tier, body_bytes = _waited(event)
         limit, _ = gate_rules.current_limit(gate)
-        reserve = premium_reserved(limit, gate.premium_inflight) if tier is Tier.BASIC else 0
+        # The reserve counts slots premium already holds; what basic must leave free on top of
+        # those is the rest (one slot, unless the cap is tiny).
+        reserve = 0
+        if tier is Tier.BASIC:
+            reserve = max(0, premium_reserved(limit, gate.premium_inflight) - gate.premium_inflight)
         verdict = predictive_rules.assess(
             predictive, body_bytes, reserve=reserve, waited_s=waited, at=event.at
         )

@@ -30,8 +30,10 @@ from guard_adapters.simulation import (
 from guard_adapters.traces import TraceError, head, premium_flags, read_trace, scale_rate
 
 #: The guard policy learns from metrics; a metrics URL is what turns learning on.
-BASE_ENVIRONMENT = {"DYNAMIC_METRICS_URL": "http://sim/metrics"}
-DEFAULT_POLICIES = ("none", "static:32", "guard")
+#: ``DYNAMIC_POLICY=predictive`` makes the predictive learner's settings (``DYNAMIC_PREDICTIVE_*``)
+#: part of the configuration; the ``guard`` policy is always PIG's learner whatever it says.
+BASE_ENVIRONMENT = {"DYNAMIC_METRICS_URL": "http://sim/metrics", "DYNAMIC_POLICY": "predictive"}
+DEFAULT_POLICIES = ("none", "static:32", "guard", "predictive")
 _PLOTS = (
     ("cap", "cap", "admission cap"),
     ("running", "running", "engine running"),
@@ -108,10 +110,10 @@ def add_parser(subparsers: Any) -> None:
         help="run a request trace through the simulated engine under several policies",
         description=(
             "Closed loop in virtual time, no sockets: each request of a real trace (Azure CSV or"
-            " Mooncake JSONL) meets a policy (none, static:N or the guard) in front of the"
-            " simulated engine. Prints one table per policy with a row per tier; goodput PA/s"
-            " is the prompt-aware goodput (TTFT within 1 s plus the prompt's own idle prefill"
-            " time)."
+            " Mooncake JSONL) meets a policy (none, static:N, PIG's learner or the predictive"
+            " one) in front of the simulated engine. Prints one table per policy with a row per"
+            " tier; goodput PA/s is the prompt-aware goodput (TTFT within 1 s plus the prompt's"
+            " own idle prefill time)."
         ),
     )
     parser.add_argument("--trace", type=Path, required=True, help="trace file")
@@ -122,7 +124,7 @@ def add_parser(subparsers: Any) -> None:
         type=_policy_text,
         metavar="POLICY",
         help=(
-            "none, static:N or guard; repeatable, in the order shown"
+            "none, static:N, guard (PIG's learner) or predictive; repeatable, in the order shown"
             f" (default: {' '.join(DEFAULT_POLICIES)})"
         ),
     )

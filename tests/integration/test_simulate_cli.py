@@ -218,3 +218,36 @@ def test_bad_profile_files_and_slowdowns_exit_2(tmp_path: Path) -> None:
     )
     assert overlap.returncode == 2
     assert "overlap" in overlap.stderr
+
+
+def test_the_predictive_policy_runs_beside_pigs_and_takes_its_settings(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    result = cli(
+        "--trace",
+        str(AZURE),
+        "--policy",
+        "guard",
+        "--policy",
+        "predictive",
+        "--rate-scale",
+        "2",
+        "--premium-share",
+        "0.2",
+        "--duration",
+        "300",
+        "--json",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "policy guard:" in result.stdout
+    assert "policy predictive:" in result.stdout
+    assert "predicted_speed" in result.stdout  # the reason its polls set the cap
+    policies = json.loads(out.read_text())["policies"]
+    guard, predictive = policies["guard"]["all"], policies["predictive"]["all"]
+    assert predictive["goodput_prompt_aware_per_s"] > guard["goodput_prompt_aware_per_s"]
+    assert predictive["user_tps_p5"] >= 20
+    bad = cli(
+        "--trace", str(AZURE), "--policy", "predictive", "--set", "DYNAMIC_PREDICTIVE_KV_LIMIT=2"
+    )
+    assert bad.returncode == 2
+    assert "DYNAMIC_PREDICTIVE_KV_LIMIT" in bad.stderr
