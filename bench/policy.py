@@ -6,7 +6,8 @@ and the slowdown cell (conversation, 2x, the engine 8x slower for 5 minutes from
 prints one table: no policy, the best static cap in hindsight (swept over 4 ... 128), PIG's
 learner (``guard``) and the predictive learner, with goodput (strict: TTFT <= 1 s; prompt-aware:
 TTFT <= 1 s plus the request's own unloaded prefill; both with >= 20 tok/s), the admitted users'
-tok/s p5 / p50, TTFT p95 beyond the unloaded prefill, and the reject rates per tier. Then the
+tok/s p5 / p50, TTFT p95 (from arrival, waits included) and the same beyond each request's
+unloaded prefill ("TTFT+"), and the reject rates per tier. Then the
 ratios predictive / best static and predictive / PIG per cell, their means, and each cell's
 missed acceptance criteria. Nothing is asserted; the exit status is 0.
 
@@ -69,6 +70,7 @@ def _policy_line(label: str, row: PolicyRow) -> tuple[str, ...]:
         f"{row.goodput_prompt_aware_per_s:.2f}",
         _cell(row.user_tps_p5, 1),
         _cell(row.user_tps_p50, 1),
+        _cell(row.ttft_p95_s, 2),
         _cell(row.ttft_excess_p95_s, 2),
         f"{100 * row.premium_reject_rate:.1f}",
         f"{100 * row.basic_reject_rate:.1f}",
@@ -82,6 +84,7 @@ def render(result: CellResult) -> str:
         "goodput PA/s",
         "tok/s p5",
         "tok/s p50",
+        "TTFT p95",
         "TTFT+ p95",
         "prem rej %",
         "basic rej %",
@@ -116,7 +119,9 @@ def _plot(result: CellResult, directory: Path) -> Path | None:
     matplotlib.use("Agg")
     pyplot = importlib.import_module("matplotlib.pyplot")
     trace = load_cell_trace(result.cell, TRACE_DIR)
-    figure, (cap_axes, load_axes) = pyplot.subplots(2, 1, figsize=(11, 6), sharex=True)
+    figure, (cap_axes, inflight_axes, load_axes) = pyplot.subplots(
+        3, 1, figsize=(11, 8), sharex=True
+    )
     for policy in ("guard", "predictive", f"{result.best_static.policy}"):
         run = simulate(
             trace,
@@ -129,6 +134,7 @@ def _plot(result: CellResult, directory: Path) -> Path | None:
         cap_axes.plot(
             at, [math.nan if p.cap is None else p.cap for p in run.series], label=policy, lw=0.8
         )
+        inflight_axes.plot(at, [p.inflight for p in run.series], label=policy, lw=0.8)
         load_axes.plot(
             at,
             [math.nan if p.user_tps is None else p.user_tps for p in run.series],
@@ -136,10 +142,11 @@ def _plot(result: CellResult, directory: Path) -> Path | None:
             lw=0.8,
         )
     cap_axes.set_title(f"{result.cell.name}: admission cap")
+    inflight_axes.set_title("admitted requests in flight")
     load_axes.set_title("mean per-user tok/s")
     load_axes.axhline(20, color="grey", lw=0.5)
     load_axes.set_xlabel("simulated seconds")
-    for axes in (cap_axes, load_axes):
+    for axes in (cap_axes, inflight_axes, load_axes):
         axes.grid(alpha=0.3)
         axes.legend()
     directory.mkdir(parents=True, exist_ok=True)
