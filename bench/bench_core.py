@@ -1,12 +1,15 @@
 """Micro-benchmarks of the pure core: one admission decision and one poll evaluation.
 
 Run: ``python bench/bench_core.py`` (also part of ``nox -s bench``). Prints medians of several
-repeats; nothing is asserted. Goals (PRODUCT.md): admission <= 10 us, poll evaluation <= 200 us,
+repeats; nothing is asserted. Goals (PRODUCT.md): admission <= 10 us, poll evaluation <= 200 us
+(the predictive learner's rows are five events per request and PIG's pipeline plus the fit per
+poll, so their goals are four and two times those),
 one parse of the real vLLM metrics page <= 200 us (bench_metrics_parse.py compares parsers).
 """
 
 from __future__ import annotations
 
+import math
 import platform
 import statistics
 import sys
@@ -15,18 +18,30 @@ from pathlib import Path
 
 from guard_adapters.metrics import parse_metrics
 from guard_core import (
+    Admitted,
     BackendPoll,
+    BackendSample,
     DecisionPublished,
+    FirstTokenObserved,
+    Flavour,
     GateConfig,
     GateState,
     GateView,
+    GuardConfig,
+    GuardState,
+    Histogram,
     LearnerState,
+    MetricsPolled,
     PolicyConfig,
+    PredictiveConfig,
+    PrefillEnded,
+    PrefillStarted,
     PublishedDecision,
     SlotReleased,
     SlotRequested,
     Tier,
     apply_gate_event,
+    apply_guard_event,
     evaluate,
 )
 from guard_core.decision import DecisionSource, LimitReason, LoadState
@@ -80,6 +95,63 @@ def poll_evaluation() -> float:
     return median_us(once, 2_000)
 
 
+def _predictive_guard() -> tuple[GuardState, float]:
+    """A predictive guard that has learned from a few polls, with 20 requests in flight."""
+    state = GuardState.initial(GuardConfig(predictive=PredictiveConfig()), at=0.0)
+    at = 0.0
+    for poll in range(1, 8):
+        at = float(poll)
+        tokens = 1200.0 * poll
+        sample = BackendSample(
+            flavour=Flavour.VLLM, running=40.0, waiting=0.0, kv_usage=0.2,
+            generation_tokens=tokens, prompt_tokens=3000.0 * poll,
+            inter_token_latency=Histogram(((math.inf, tokens),), tokens, tokens * 0.02),
+        )  # fmt: skip
+        polled = MetricsPolled(at, (BackendPoll(name="b", sample=sample),))
+        state = apply_guard_event(state, polled).state
+    for rid in range(20):
+        step = apply_guard_event(state, SlotRequested(at, Tier.BASIC, body_bytes=2000))
+        if not isinstance(step.outcome, Admitted):
+            break
+        state = apply_guard_event(step.state, PrefillStarted(at, rid, 2000)).state
+        state = apply_guard_event(state, FirstTokenObserved(at, 0.2, request_id=rid)).state
+    return state, at
+
+
+def predictive_admission() -> float:
+    """One predictive admission and its end: attempt, forward, first token, release."""
+    state, at = _predictive_guard()
+    events = (
+        SlotRequested(at, Tier.PREMIUM, body_bytes=2000),
+        PrefillStarted(at, 10_000, 2000, tier=Tier.PREMIUM),
+        FirstTokenObserved(at, 0.2, request_id=10_000),
+        SlotReleased(at, Tier.PREMIUM),
+        PrefillEnded(at, 10_000),
+    )
+
+    assert isinstance(apply_guard_event(state, events[0]).outcome, Admitted)
+
+    def once() -> None:
+        current = state
+        for event in events:
+            current = apply_guard_event(current, event).state
+
+    return median_us(once, 2_000)
+
+
+def predictive_poll() -> float:
+    """One poll with the predictive learner: PIG's pipeline plus the fit and the cap."""
+    state, at = _predictive_guard()
+    tokens = 1200.0 * 8
+    sample = BackendSample(
+        flavour=Flavour.VLLM, running=40.0, waiting=0.0, kv_usage=0.2,
+        generation_tokens=tokens, prompt_tokens=24000.0,
+        inter_token_latency=Histogram(((math.inf, tokens),), tokens, tokens * 0.02),
+    )  # fmt: skip
+    polled = MetricsPolled(at + 1.0, (BackendPoll(name="b", sample=sample),))
+    return median_us(lambda: apply_guard_event(state, polled), 500)
+
+
 def metrics_parse() -> float:
     """One parse of the real 46 KB vLLM 0.10 page by the poller's scanner, as bytes."""
     page = PAGE.read_bytes()
@@ -91,6 +163,8 @@ def main() -> None:
     rows = [
         ("admission decision (gate, per attempt)", admission_pair(), 10.0),
         ("poll evaluation (learning pipeline)", poll_evaluation(), 200.0),
+        ("predictive: attempt+forward+first+end", predictive_admission(), 40.0),
+        ("predictive: one poll (PIG's + the fit)", predictive_poll(), 400.0),
         ("metrics page parse (vLLM 0.10, 46 KB)", metrics_parse(), 200.0),
     ]
     print(f"guard_core micro-benchmarks on {build}, median of 7 repeats")

@@ -3,7 +3,9 @@
 Covers every variable of spec 2 (2.1 core and routing, 2.2 OpenAI compatibility, auth and
 upstream errors, 2.3 attestation, 2.4 output-token classification, 2.5 backend priority
 injection, 2.6 dynamic QoS, 2.7 SSE) plus the guard's own ``PIG_RETRY_AFTER_SECONDS``,
-``PIG_DRAIN_SECONDS`` and ``PIG_RECORD_PATH``.
+``PIG_DRAIN_SECONDS``, ``PIG_RECORD_PATH``, the hardening limits, and the learner choice
+``DYNAMIC_POLICY`` with the predictive learner's ``DYNAMIC_PREDICTIVE_*`` settings and
+``PIG_RETRY_AFTER_MODE``.
 
 Reads: a mapping of environment variables, always passed in (``os.environ`` is never touched
 here). Only the variables listed in :data:`VARIABLES` are looked at; everything else in the
@@ -28,16 +30,19 @@ Guarantees:
   ``BACKEND_PRIORITY_REWRITE_LIMIT`` (64, or ``GLOBAL_LIMIT`` when that is between 1 and 63)),
   and a non-positive TTFT threshold falls back to its default. ``ATTESTATION_GPU_ARCH`` is
   trimmed and upper-cased, ``BACKEND_PRIORITY_MODE`` and ``BACKEND_PRIORITY_REWRITE_STRATEGY``
-  trimmed and lower-cased; blank, they take their defaults.
+  trimmed and lower-cased; blank, they take their defaults; so are ``DYNAMIC_POLICY`` and
+  ``PIG_RETRY_AFTER_MODE`` (whose default, ``predicted`` under ``DYNAMIC_POLICY=predictive`` and
+  ``fixed`` otherwise, follows the learner).
 - A feature's own ranges are checked only while it is on, as PIG does: the compat body limit
   with ``OPENAI_COMPAT_STRIP_EMPTY_TOOL_CALLS``, the command timeout with
   ``ATTESTATION_ENABLED``, the classifier and output-token thresholds with
   ``CLASSIFY_OUTPUT_TOKENS``, the ``ADAPTIVE_OUTPUT_*`` ranges with
   ``ADAPTIVE_OUTPUT_CLASSIFICATION``, every ``BACKEND_PRIORITY_*`` rule with
-  ``BACKEND_PRIORITY_INJECTION_ENABLED``, and the dynamic stages with their flags. The body-size
-  lane thresholds and ``OUTPUT_TOKEN_FIELD_NAMES`` are always checked. ``API_AUTH_PATHS`` is
-  checked like ``PIG_PATHS`` but may be an empty list (``,``) while auth is off, and auth on
-  needs a ``TOKEN``.
+  ``BACKEND_PRIORITY_INJECTION_ENABLED``, the dynamic stages with their flags, and the
+  ``DYNAMIC_PREDICTIVE_*`` ranges with ``DYNAMIC_POLICY=predictive`` (which also needs dynamic
+  mode on). The body-size lane thresholds and ``OUTPUT_TOKEN_FIELD_NAMES`` are always checked.
+  ``API_AUTH_PATHS`` is checked like ``PIG_PATHS`` but may be an empty list (``,``) while auth is
+  off, and auth on needs a ``TOKEN``.
 - Backends are resolved by spec 2.1 rules 1-5; every upstream is an http(s) URL with a host and
   no query or fragment, and so is every metrics URL whenever dynamic mode is on.
 - :meth:`Settings.guard_config` and the other helpers (:attr:`Settings.auth_paths`,
@@ -73,12 +78,15 @@ from guard_core.gate import GateConfig
 from guard_core.guard import GuardConfig
 from guard_core.lanes import AdaptiveOutputConfig, Thresholds
 from guard_core.policy import PolicyConfig
+from guard_core.predictive import PredictiveConfig
 from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
 from guard_core.signal_state import SignalThresholds
 
 __all__ = (
+    "POLICIES",
     "PRIORITY_MODES",
     "REDACTED",
+    "RETRY_AFTER_MODES",
     "REWRITE_STRATEGIES",
     "VARIABLES",
     "Backend",
@@ -95,6 +103,8 @@ REDACTED: Final = "<redacted>"
 
 #: Metadata key marking a field whose value must never be shown.
 _SECRET: Final = "secret"
+#: Metadata key marking a text field where a value of spaces only means the default.
+_WORD: Final = "word"
 
 _DEFAULT_UPSTREAM: Final = "http://backend:8000"
 _TTFT_TARGET_S: Final = 1.0
@@ -113,6 +123,11 @@ _SLOT_CAP: Final = 64
 PRIORITY_MODES: Final = ("all", "premium_only")
 #: ``BACKEND_PRIORITY_REWRITE_STRATEGY`` values, the default first.
 REWRITE_STRATEGIES: Final = ("field_scan", "append_last")
+#: ``DYNAMIC_POLICY`` values, the default first: PIG's learner or the predictive one.
+POLICIES: Final = ("pig", "predictive")
+#: ``PIG_RETRY_AFTER_MODE`` values: ``PIG_RETRY_AFTER_SECONDS`` always, or the learner's
+#: predicted seconds where it has them.
+RETRY_AFTER_MODES: Final = ("fixed", "predicted")
 
 
 # PIG reads a TTFT threshold that is not positive as its default.
@@ -159,6 +174,14 @@ def _priority_mode(value: str) -> str:
 
 def _rewrite_strategy(value: str) -> str:
     return value.strip().lower() or REWRITE_STRATEGIES[0]
+
+
+def _word(value: str) -> str:
+    return value.strip().lower()
+
+
+def _retry_after_mode_default(env: Environment) -> str:
+    return RETRY_AFTER_MODES[1] if env.dynamic_policy == POLICIES[1] else RETRY_AFTER_MODES[0]
 
 
 def _follows(name: str) -> Any:
@@ -321,6 +344,18 @@ class Environment:
     dynamic_ttft_p99_red_seconds: float = attrs.field(
         default=_TTFT_P99_RED_S, converter=_ttft_p99_red
     )
+    # -- inference-guard's predictive learner (DYNAMIC_POLICY=predictive)
+    dynamic_policy: str = attrs.field(default=POLICIES[0], converter=_word, metadata={_WORD: True})
+    dynamic_predictive_batch_tokens: int = 2048
+    dynamic_predictive_forgetting: float = 0.9
+    dynamic_predictive_kv_limit: float = 0.9
+    dynamic_predictive_bytes_per_token: float = 4.0
+    dynamic_predictive_horizon_seconds: float = 3.0
+    pig_retry_after_mode: str = attrs.field(
+        default=attrs.Factory(_retry_after_mode_default, takes_self=True),
+        converter=_word,
+        metadata={_WORD: True},
+    )
     # -- spec 2.7: SSE
     sse_keepalive_enabled: bool = False
     sse_early_bridge_enabled: bool = False
@@ -413,6 +448,17 @@ class Settings:
     def dynamic_enforced(self) -> bool:
         """The gate uses the learned cap: dynamic mode is both enabled and enforced."""
         return self.env.dynamic_pig_enabled and self.env.dynamic_pig_enforce
+
+    @property
+    def predictive_enabled(self) -> bool:
+        """``DYNAMIC_POLICY=predictive``: the predictive learner decides admission."""
+        return self.env.dynamic_policy == POLICIES[1]
+
+    @property
+    def retry_after_predicted(self) -> bool:
+        """``PIG_RETRY_AFTER_MODE=predicted``: a 429 from admission says the learner's predicted
+        seconds when it has them (``PIG_RETRY_AFTER_SECONDS`` otherwise; 0 still means none)."""
+        return self.env.pig_retry_after_mode == RETRY_AFTER_MODES[1]
 
     @property
     def api_auth_enabled(self) -> bool:
@@ -602,11 +648,22 @@ class Settings:
             ttft_p99_target_s=env.dynamic_ttft_p99_target_seconds,
             ttft_p99_red_s=env.dynamic_ttft_p99_red_seconds,
         )
+        predictive = None
+        if self.predictive_enabled:
+            predictive = PredictiveConfig.from_policy(
+                policy,
+                batch_tokens=env.dynamic_predictive_batch_tokens,
+                forgetting=env.dynamic_predictive_forgetting,
+                kv_limit=env.dynamic_predictive_kv_limit,
+                bytes_per_token=env.dynamic_predictive_bytes_per_token,
+                horizon_s=env.dynamic_predictive_horizon_seconds,
+            )
         return GuardConfig(
             gate=gate,
             policy=policy,
             learning=env.dynamic_pig_enabled,
             failsafe=env.dynamic_failsafe_state,
+            predictive=predictive,
         )
 
     def redacted(self) -> dict[str, str]:
@@ -786,8 +843,13 @@ _converter: Final = _build_converter()
 def _is_empty(name: str, value: object) -> bool:
     if not isinstance(value, str):
         return False
-    field_type = _FIELDS[name].type
-    if field_type in (bool, LoadState) or field_type == tuple[str, ...]:
+    field = _FIELDS[name]
+    field_type = field.type
+    if (
+        field_type in (bool, LoadState)
+        or field_type == tuple[str, ...]
+        or field.metadata.get(_WORD)
+    ):
         return not value.strip()
     return value == ""
 
@@ -1137,6 +1199,7 @@ def _problems(env: Environment) -> list[_Problem]:
     _path_problems(c, f.pig_forward_paths, required=False)
     _feature_problems(c)
     _dynamic_problems(c)
+    _predictive_problems(c)
     return c.found
 
 
@@ -1238,3 +1301,26 @@ def _dynamic_problems(c: _Checks) -> None:
     if env.dynamic_ttft_enabled:
         c.not_above(f.dynamic_ttft_target_seconds, f.dynamic_ttft_red_seconds)
         c.not_above(f.dynamic_ttft_p99_target_seconds, f.dynamic_ttft_p99_red_seconds)
+
+
+def _predictive_problems(c: _Checks) -> None:
+    """The learner choice and, while the predictive learner is chosen, its settings."""
+    env, f = c.env, _F
+    c.one_of(f.dynamic_policy, POLICIES)
+    c.one_of(f.pig_retry_after_mode, RETRY_AFTER_MODES)
+    if env.dynamic_policy != POLICIES[1]:
+        return
+    if not env.dynamic_pig_enabled:
+        c.add(
+            ["DYNAMIC_POLICY", "DYNAMIC_PIG_ENABLED"],
+            "predictive needs dynamic mode (DYNAMIC_PIG_ENABLED on, with a metrics URL):"
+            " it learns from the backends' metrics",
+        )
+    c.at_least(f.dynamic_predictive_batch_tokens, 16)
+    c.within(f.dynamic_predictive_forgetting, 0.5, 1, high_open=True)
+    c.within(f.dynamic_predictive_kv_limit, 0, 1, low_open=True)
+    c.above(f.dynamic_predictive_bytes_per_token, 0)
+    c.within(f.dynamic_predictive_horizon_seconds, 0.5, 60)
+    if not env.dynamic_single_user_tps_enabled:
+        # The predictive learner's speed target; checked above already while PIG's stage is on.
+        c.above(f.dynamic_single_user_tps_yellow, 0)

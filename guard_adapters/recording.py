@@ -8,7 +8,10 @@ Guarantees:
   type is reported as a :class:`RecordingError` with its line number (1-based) and the reason;
   nothing else is raised while reading;
 - writing never includes secrets: the header's config is whatever the caller passes, and
-  :func:`redact` removes the variables that hold tokens or credentials.
+  :func:`redact` removes the variables that hold tokens or credentials;
+- version 2 only adds optional fields (the predictive learner's explanation on ``decision``,
+  the predicted ``Retry-After`` and the binding constraint on ``outcome``), so a version-1
+  recording reads, and replays, exactly as before.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import IO, Any, ClassVar
 
 import attrs
 import cattrs
+from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.strategies import configure_tagged_union
 
 from guard_adapters._errors import AdapterError
@@ -33,6 +37,7 @@ __all__ = (
     "Arrival",
     "Completion",
     "Decision",
+    "Explanation",
     "FirstToken",
     "Gone",
     "Header",
@@ -52,7 +57,7 @@ __all__ = (
 )
 
 FORMAT = "inference-guard-recording"
-VERSION = 1
+VERSION = 2
 
 #: Environment variables whose values never go into a recording.
 SECRET_VARIABLES = frozenset(
@@ -141,7 +146,12 @@ class Gone:
 
 @attrs.frozen(kw_only=True)
 class Outcome:
-    """How an attempt ended: ``forwarded`` or ``rejected`` (with the internal code)."""
+    """How an attempt ended: ``forwarded`` or ``rejected`` (with the internal code).
+
+    Under the predictive learner a refusal also says the ``Retry-After`` it predicted and the
+    constraint that refused it (``binding``: ``predicted_speed``, ``predicted_ttft``,
+    ``predicted_kv``, or ``none`` when the gate's own rules did); version 2.
+    """
 
     KIND: ClassVar[str] = "outcome"
     at: float
@@ -149,6 +159,8 @@ class Outcome:
     outcome: str
     code: str | None = None
     waited_s: float = 0.0
+    retry_after_s: int | None = None
+    binding: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -172,8 +184,31 @@ class Completion:
 
 
 @attrs.frozen(kw_only=True)
+class Explanation:
+    """The predictive learner's reasons for a cap: its predictions and the fit behind them.
+
+    ``user_tps`` and ``ttft_s`` are predicted at the cap, ``binding`` names the constraint that
+    set it, and the ``fit_*`` fields are the engine model's coefficients (seconds per step, per
+    decoding sequence, per unit of KV usage and per prompt token taken in per second) with its
+    smoothed relative error and the number of intervals it learned from.
+    """
+
+    cap: int
+    user_tps: float
+    ttft_s: float
+    kv_usage: float
+    binding: str
+    fit_step_base_s: float
+    fit_per_decoder_s: float
+    fit_per_kv_s: float
+    fit_per_prompt_token_s: float
+    fit_relative_error: float
+    fit_observations: int
+
+
+@attrs.frozen(kw_only=True)
 class Decision:
-    """What the guard published after poll ``poll``."""
+    """What the guard published after poll ``poll``; with the predictive learner, why (v2)."""
 
     KIND: ClassVar[str] = "decision"
     at: float
@@ -184,6 +219,7 @@ class Decision:
     yellow: list[str] = attrs.field(factory=list)
     red: list[str] = attrs.field(factory=list)
     source: str = "metrics"
+    predicted: Explanation | None = None
 
 
 Record = (
@@ -212,6 +248,21 @@ def _kind_of(cls: type) -> str:
     return kind
 
 
+# Fields added in version 2 are written only when set, so a PIG-learner recording keeps the
+# lines it had in version 1.
+_converter.register_unstructure_hook(
+    Outcome,
+    make_dict_unstructure_fn(
+        Outcome,
+        _converter,
+        retry_after_s=override(omit_if_default=True),
+        binding=override(omit_if_default=True),
+    ),
+)
+_converter.register_unstructure_hook(
+    Decision,
+    make_dict_unstructure_fn(Decision, _converter, predicted=override(omit_if_default=True)),
+)
 configure_tagged_union(Record, _converter, tag_generator=_kind_of, tag_name="kind")
 
 

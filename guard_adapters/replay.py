@@ -8,7 +8,13 @@ Guarantees:
 - with other settings the gate may admit what was refused or refuse what was admitted; replay
   follows its own outcomes: a request it refuses never runs (its first token and completion
   are ignored), and a request it admits that the recording refused finishes at once;
-- a scrape that no longer parses counts as a failed scrape; nothing here raises on bad data.
+- a scrape that no longer parses counts as a failed scrape; nothing here raises on bad data;
+- the predictive learner (``DYNAMIC_POLICY=predictive``) is replayed from the same records: an
+  arrival's ``body_bytes`` is its prompt estimate and a first token names its request, as they
+  did live. Each poll then carries the learner's explanation of its cap, compared with the
+  recorded one when the recording has it (version 2), and each refusal its predicted
+  ``Retry-After`` and binding constraint, compared with the recorded outcome likewise; a
+  version-1 recording has neither and replays as before.
 """
 
 from __future__ import annotations
@@ -22,6 +28,13 @@ from typing import Any
 import attrs
 
 from guard_adapters._errors import MetricsParseError
+from guard_adapters.explain import (
+    as_json,
+    attempt_prediction,
+    explanation,
+    poll_prediction,
+    refusal_binding,
+)
 from guard_adapters.metrics import parse_metrics
 from guard_adapters.recording import (
     Arrival,
@@ -43,6 +56,7 @@ from guard_core import (
     GuardConfig,
     GuardState,
     MetricsPolled,
+    Prediction,
     PrefillEnded,
     PrefillStarted,
     PublishedDecision,
@@ -67,6 +81,8 @@ class ReplayedPoll:
     poll: int
     decision: PublishedDecision
     recorded: Decision | None = None
+    #: The predictive learner's explanation of the cap (None under PIG's learner).
+    prediction: Prediction | None = None
 
     @property
     def differs(self) -> bool:
@@ -80,7 +96,17 @@ class ReplayedPoll:
             or recorded.reason != decision.final_reason
             or recorded.yellow != [str(r) for r in decision.yellow_reasons]
             or recorded.red != [str(r) for r in decision.red_reasons]
+            or self.explanation_differs
         )
+
+    @property
+    def explanation_differs(self) -> bool:
+        """The recording has the live explanation of this poll, and the replay's is another."""
+        recorded = self.recorded
+        if recorded is None or recorded.predicted is None:
+            return False
+        prediction = self.prediction
+        return prediction is None or explanation(prediction) != recorded.predicted
 
     def as_json(self) -> dict[str, Any]:
         decision = self.decision
@@ -97,6 +123,8 @@ class ReplayedPoll:
             "running": decision.running,
             "waiting": decision.waiting,
         }
+        if self.prediction is not None:
+            out["predicted"] = as_json(self.prediction)
         if self.recorded is not None:
             out["recorded"] = {
                 "cap": self.recorded.cap,
@@ -118,6 +146,13 @@ class ReplayResult:
     #: Scrapes whose text no longer parsed.
     unparsable_scrapes: int
     end_at: float
+    #: Replayed refusals by the constraint that refused them (the predictive learner only).
+    refusals_by_binding: dict[str, int] = attrs.field(factory=dict)
+    #: Recorded outcomes the replay ended otherwise: forwarded against refused, or (where the
+    #: recording has them) another predicted Retry-After or binding constraint.
+    differing_outcomes: int = 0
+    #: The guard's state after the last record.
+    state: GuardState | None = None
 
 
 @attrs.define
@@ -128,6 +163,9 @@ class _Request:
     admitted: bool = False
     finished: bool = False
     prefill_started: bool = False
+    #: The replay's refusal: its predicted Retry-After and binding (predictive learner only).
+    retry_after_s: int | None = None
+    binding: str | None = None
 
 
 @attrs.define
@@ -144,14 +182,29 @@ class _Replayer:
     recorded_rejected: int = 0
     unparsable: int = 0
     end_at: float = 0.0
+    refusals: Counter[str] = attrs.field(factory=Counter)
+    differing_outcomes: int = 0
+    #: The binding constraint of the latest refusal :meth:`step` returned.
+    last_binding: str | None = None
 
     def step(self, event: GuardEvent) -> object:
-        result = apply_guard_event(self.state, event)
+        before = self.state
+        result = apply_guard_event(before, event)
         self.state = result.state
         if result.decision is not None:
             assert self.round_poll is not None
-            self.polls.append(ReplayedPoll(poll=self.round_poll, decision=result.decision))
-        return result.outcome
+            self.polls.append(
+                ReplayedPoll(
+                    poll=self.round_poll,
+                    decision=result.decision,
+                    prediction=poll_prediction(before, result.state),
+                )
+            )
+        outcome = result.outcome
+        if isinstance(outcome, Rejected) and result.state.predictive is not None:
+            verdict = attempt_prediction(before, result.state)
+            self.last_binding = str(refusal_binding(verdict, before.gate.decision, outcome.code))
+        return outcome
 
     # -- polls ----------------------------------------------------------------------------------
 
@@ -193,12 +246,15 @@ class _Replayer:
         elif isinstance(outcome, Rejected):
             request.queued, request.finished = None, True
             self.rejected += 1
+            if self.last_binding is not None:
+                request.retry_after_s, request.binding = outcome.retry_after_s, self.last_binding
+                self.refusals[self.last_binding] += 1
 
     def arrival(self, record: Arrival) -> None:
         tier = Tier.PREMIUM if record.tier == "premium" else Tier.BASIC
         request = _Request(tier=tier, body_bytes=record.body_bytes)
         self.requests[record.id] = request
-        self.settle(request, self.step(SlotRequested(record.at, tier)))
+        self.settle(request, self.step(SlotRequested(record.at, tier, record.body_bytes)))
 
     def retry(self, record: Retry) -> None:
         request = self.requests.get(record.id)
@@ -227,16 +283,28 @@ class _Replayer:
             # Recorded as over while the replay still waits: end the wait now.
             late = max(record.at, request.queued.deadline)
             self.settle(request, self.step(WaitRetried(late, request.queued)))
+        if self.outcome_differs(record, request):
+            self.differing_outcomes += 1
         if request.admitted and not request.prefill_started and not request.finished:
             request.prefill_started = True
-            self.step(PrefillStarted(record.at, record.id, request.body_bytes))
+            self.step(PrefillStarted(record.at, record.id, request.body_bytes, tier=request.tier))
             if not forwarded:
                 self.finish(record.id, request, record.at)  # never ran for real
+
+    @staticmethod
+    def outcome_differs(record: Outcome, request: _Request) -> bool:
+        if (record.outcome == "forwarded") != request.admitted:
+            return True
+        if request.admitted:
+            return False
+        return (
+            record.retry_after_s is not None and record.retry_after_s != request.retry_after_s
+        ) or (record.binding is not None and record.binding != request.binding)
 
     def first_token(self, record: FirstToken) -> None:
         request = self.requests.get(record.id)
         if request is not None and request.admitted and not request.finished:
-            self.step(FirstTokenObserved(record.at, record.seconds))
+            self.step(FirstTokenObserved(record.at, record.seconds, request_id=record.id))
 
     def completion(self, record: Completion) -> None:
         request = self.requests.get(record.id)
@@ -285,6 +353,9 @@ def replay(records: Iterable[Record | Header], config: GuardConfig) -> ReplayRes
         recorded_rejected=replayer.recorded_rejected,
         unparsable_scrapes=replayer.unparsable,
         end_at=replayer.end_at,
+        refusals_by_binding=dict(replayer.refusals.most_common()),
+        differing_outcomes=replayer.differing_outcomes,
+        state=replayer.state,
     )
 
 
@@ -326,5 +397,30 @@ def summarise(result: ReplayResult) -> dict[str, Any]:
             "recorded_rejected": result.recorded_rejected,
         },
         "differing_polls": sum(p.differs for p in polls),
+        "differing_outcomes": result.differing_outcomes,
         "unparsable_scrapes": result.unparsable_scrapes,
+        **_predictive_summary(result),
+    }
+
+
+def _predictive_summary(result: ReplayResult) -> dict[str, Any]:
+    """The predictive learner's side of the summary; empty under PIG's learner."""
+    explained = [p.prediction for p in result.polls if p.prediction is not None]
+    if not explained:
+        return {}
+    speeds = [p.user_tps for p in explained]
+    return {
+        "predictive": {
+            "polls": len(explained),
+            "cap_binding": dict(Counter(str(p.binding) for p in explained).most_common()),
+            "predicted_user_tps_at_cap": {
+                "min": min(speeds),
+                "median": statistics.median(speeds),
+                "max": max(speeds),
+            },
+            "final_fit": as_json(explained[-1])["fit"],
+            "fit_relative_error_median": statistics.median(p.fit.relative_error for p in explained),
+            "refusals_by_binding": dict(result.refusals_by_binding),
+            "differing_explanations": sum(p.explanation_differs for p in result.polls),
+        }
     }

@@ -73,13 +73,19 @@ def current_snapshot(state: GuardState) -> Snapshot | None:
 
     ``None`` before the first good poll and after a round where every backend failed: the
     published decision then carries no learner detail (the learner keeps its snapshot for the
-    next good poll, but it is not what is published).
+    next good poll, but it is not what is published). Under the predictive learner the gate
+    holds PIG's decision with the predictive cap and its reason in place of PIG's; the
+    snapshot is still the one behind it.
     """
     last = state.learner.last
     if last is None:
         return None
     decision = state.gate.decision
     if last.decision is decision or last.decision == decision:
+        return last
+    if state.predictive is not None and decision == attrs.evolve(
+        last.decision, cap=decision.cap, final_reason=decision.final_reason
+    ):
         return last
     return None
 

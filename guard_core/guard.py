@@ -186,9 +186,9 @@ def _predictive_decision(
         cap, reason = components.availability, LimitReason.AVAILABILITY
     if components.override is LimitReason.BACKEND_UNAVAILABLE:
         cap, reason = 0, LimitReason.BACKEND_UNAVAILABLE
-    elif predictive.waiting > predictive.pending_count:
-        # The engine queues more than the prefills the guard knows it just sent: intake
-        # closes until the next poll, as PIG's does on any waiting.
+    elif predictive.waiting_unexplained:
+        # The engine queues requests that the prefill the guard just sent does not explain
+        # (seats or KV ran out): intake closes until the next poll, as PIG's does on waiting.
         cap, reason = 0, LimitReason.BACKEND_WAITING
     return attrs.evolve(pig, cap=cap, final_reason=reason), predictive
 
@@ -265,9 +265,12 @@ def apply(state: GuardState, event: GuardEvent) -> GuardStep:
         return GuardStep(state)
     prediction: Prediction | None = None
     step: gate_rules.GateStep
-    if state.predictive is not None and isinstance(
-        event, gate_rules.SlotRequested | gate_rules.WaitRetried
+    if (
+        state.predictive is not None
+        and state.gate.config.dynamic
+        and isinstance(event, gate_rules.SlotRequested | gate_rules.WaitRetried)
     ):
+        # Learning without enforcing (DYNAMIC_PIG_ENFORCE=false) predicts but never refuses.
         step, prediction = _predictive_attempt(state, event)
     else:
         step = gate_rules.apply(state.gate, event)

@@ -75,6 +75,13 @@ _MAX_HORIZON_S = 60.0
 #: Without a body size, a request is taken to have this many prompt tokens.
 _UNKNOWN_PROMPT_TOKENS = 512.0
 _MAX_RETRY_AFTER_S = 30
+#: The trust region of the fit: requests in flight (per backend) may reach
+#: ``max(_TRUST_FLOOR, _TRUST_GROWTH x`` the most decoders seen``)``; what was seen decays by
+#: ``_TRUST_DECAY`` per poll. A young fit extrapolates badly, so load grows like TCP's slow
+#: start while the model learns it.
+_TRUST_FLOOR = 8.0
+_TRUST_GROWTH = 2.0
+_TRUST_DECAY = 0.99
 #: The TTFT correction learns only from requests predicted to wait at least this long (shorter
 #: ones are dominated by one step's rounding), is bounded, and is smoothed per request.
 _MIN_PREDICTED_FIRST_S = 0.1
@@ -89,6 +96,8 @@ class Binding(enum.StrEnum):
     SPEED = "predicted_speed"
     TTFT = "predicted_ttft"
     KV = "predicted_kv"
+    #: More requests than the fit has seen the engine carry (it may double per poll).
+    UNTRIED = "untried_load"
 
 
 def _check(condition: bool, message: str) -> None:
@@ -234,6 +243,12 @@ class PredictiveState:
     decode_s: float | None = None
     kv_usage: float = 0.0
     waiting: float = 0.0
+    #: The latest poll showed requests waiting in an engine that the prefill the guard just
+    #: sent does not explain (the pending prompt tokens fit in one step): seats or KV ran out.
+    waiting_unexplained: bool = False
+    #: The most decoders per backend the fit has seen in an interval (decaying slowly): its
+    #: predictions are trusted up to twice that.
+    trusted_decoders: float = 0.0
     inter_token_s: float | None = None
     #: The explanation behind the latest verdict and the latest published cap.
     last_verdict: Prediction | None = None
@@ -455,6 +470,7 @@ def polled(state: PredictiveState, polls: tuple[BackendPoll, ...], *, at: float)
     usages: list[float] = []
     waiting = 0.0
     inter_tokens: list[float] = []
+    seen: list[float] = []
     for poll in polls:
         sample = poll.sample
         if sample is None:
@@ -467,6 +483,7 @@ def polled(state: PredictiveState, polls: tuple[BackendPoll, ...], *, at: float)
                 fit = fits.get(poll.name, EngineFit())
                 fits[poll.name] = observe(fit, interval, forgetting=config.forgetting)
                 inter_tokens.append(interval.inter_token_s)
+                seen.append(interval.decoders)
             prompt = _delta(sample.prompt_tokens, history[-1][1].prompt_tokens)
             if prompt is not None:
                 prompt_delta += prompt
@@ -474,9 +491,17 @@ def polled(state: PredictiveState, polls: tuple[BackendPoll, ...], *, at: float)
         if sample.kv_usage is not None:
             usages.append(sample.kv_usage)
         waiting += sample.waiting or 0.0
-    changes: dict[str, Any] = {"fits": fits, "samples": samples, "healthy": healthy}
+    changes: dict[str, Any] = {
+        "fits": fits,
+        "samples": samples,
+        "healthy": healthy,
+        "trusted_decoders": max([state.trusted_decoders * _TRUST_DECAY, *seen]),
+    }
     if healthy:
         changes["waiting"] = waiting
+        changes["waiting_unexplained"] = (
+            waiting > 0 and state.pending_tokens / healthy <= config.batch_tokens
+        )
         changes["kv_usage"] = max(usages) if usages else 0.0
     if inter_tokens:
         changes["inter_token_s"] = max(inter_tokens)
@@ -538,7 +563,10 @@ def _predict(
         queued, decoders=now_decoding, kv_usage=kv, chunk=config.batch_tokens
     ) - fit.idle_prefill_s(tokens, chunk=config.batch_tokens)
     ttft = max(0.0, ttft) * (state.ttft_ratio or 1.0) + max(0.0, waited_s)
-    if speed < config.user_tps_target:
+    trusted = max(_TRUST_FLOOR, _TRUST_GROWTH * state.trusted_decoders)
+    if decoders > trusted:
+        binding = Binding.UNTRIED
+    elif speed < config.user_tps_target:
         binding = Binding.SPEED
     elif ttft > config.ttft_target_s:
         binding = Binding.TTFT
@@ -610,7 +638,9 @@ def published_cap(state: PredictiveState, *, at: float) -> Prediction:
             low = middle
         else:
             high = middle - 1
-    cap = max(1, low) if limit > 0 else 0
+    trusted = int(max(_TRUST_FLOOR, _TRUST_GROWTH * state.trusted_decoders) * share)
+    untried = low > trusted
+    cap = max(1, min(low, trusted)) if limit > 0 else 0
     per_backend = cap / share
     kv = min(1.0, per_request_kv * per_backend)
     inter_token = fit.inter_token_s(per_backend, kv, prompt_tps)
@@ -623,7 +653,7 @@ def published_cap(state: PredictiveState, *, at: float) -> Prediction:
             chunk=config.batch_tokens,
         ),
         kv_usage=state.kv_usage,
-        binding=Binding.SPEED if cap < limit else Binding.NONE,
+        binding=Binding.UNTRIED if untried else Binding.SPEED if cap < limit else Binding.NONE,
         fit=FitSummary.of(fit),
         cap=cap,
     )

@@ -10,7 +10,11 @@ Guarantees:
   task is cancelled (its client left) is removed from the queue and never admitted;
 - a slot is released exactly once: :class:`Slot` ignores a second release, so ``finally`` blocks
   on every path may call it safely;
-- every event is also handed to the recorder, when there is one, without waiting for it.
+- every event is also handed to the recorder, when there is one, without waiting for it;
+- each attempt carries what the predictive learner needs at no cost on the streaming path: the
+  body size the proxy already knows (its ``Content-Length``) and, for the first token, the
+  request's id; a refusal comes back with the learner's predicted ``Retry-After`` and the
+  constraint that refused it (``None`` under PIG's learner).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from typing import Protocol
 import attrs
 import trio
 
+from guard_adapters.explain import attempt_prediction, refusal_binding
 from guard_core import (
     Admitted,
     BackendPoll,
+    Binding,
     FirstTokenObserved,
     GuardConfig,
     GuardState,
@@ -57,7 +63,15 @@ class EngineObserver(Protocol):
     def retry(self, at: float, request_id: int) -> None: ...
     def gone(self, at: float, request_id: int) -> None: ...
     def outcome(
-        self, at: float, request_id: int, admitted: bool, code: RejectCode | None, waited_s: float
+        self,
+        at: float,
+        request_id: int,
+        admitted: bool,
+        code: RejectCode | None,
+        waited_s: float,
+        *,
+        retry_after_s: int | None = None,
+        binding: Binding | None = None,
     ) -> None: ...
     def first_token(self, at: float, request_id: int, seconds: float) -> None: ...
     def completion(self, at: float, request_id: int, status: int) -> None: ...
@@ -77,7 +91,15 @@ class _Silent:
         pass
 
     def outcome(
-        self, at: float, request_id: int, admitted: bool, code: RejectCode | None, waited_s: float
+        self,
+        at: float,
+        request_id: int,
+        admitted: bool,
+        code: RejectCode | None,
+        waited_s: float,
+        *,
+        retry_after_s: int | None = None,
+        binding: Binding | None = None,
     ) -> None:
         pass
 
@@ -109,8 +131,11 @@ class Slot:
         self.first_token_seen = True
         at = self.engine._at()
         seconds = at - self.arrived_at
-        self.engine._apply(FirstTokenObserved(at, seconds))
+        self.engine._apply(FirstTokenObserved(at, seconds, request_id=self.request_id))
         self.engine.observer.first_token(at, self.request_id, seconds)
+        if self.engine.state.predictive is not None:
+            # A prefill ended: the predictive learner may have room again for a waiter.
+            self.engine._notify()
 
     def release(self, status: int = 0) -> None:
         if self.released:
@@ -126,6 +151,10 @@ class AdmissionResult:
     slot: Slot | None
     code: RejectCode | None
     waited_s: float
+    #: The refusal's predicted ``Retry-After`` in whole seconds (the predictive learner only).
+    retry_after_s: int | None = None
+    #: The constraint that refused it (the predictive learner only).
+    binding: Binding | None = None
 
 
 class GuardEngine:
@@ -168,7 +197,7 @@ class GuardEngine:
         request_id = next(self._ids)
         arrived = self._at()
         self.observer.arrival(arrived, request_id, tier, path, body_bytes)
-        outcome = self._apply(SlotRequested(arrived, tier))
+        outcome, binding = self._attempt(SlotRequested(arrived, tier, body_bytes))
         while isinstance(outcome, Queued):
             queued = outcome
             wake = self._wake
@@ -183,18 +212,36 @@ class GuardEngine:
                 raise
             at = self._at()
             self.observer.retry(at, request_id)
-            outcome = self._apply(WaitRetried(at, queued))
+            outcome, binding = self._attempt(WaitRetried(at, queued))
         at = self._at()
         waited = at - arrived
         if isinstance(outcome, Admitted):
             # Accepted: its prefill grace starts now (the same instant a replay will use).
-            self._apply(PrefillStarted(at, request_id, body_bytes))
+            self._apply(PrefillStarted(at, request_id, body_bytes, tier=tier))
             self.observer.outcome(at, request_id, True, None, waited)
             slot = Slot(self, request_id, tier, arrived_at=arrived)
             return AdmissionResult(slot, None, waited)
         assert isinstance(outcome, Rejected)
-        self.observer.outcome(at, request_id, False, outcome.code, waited)
-        return AdmissionResult(None, outcome.code, waited)
+        self.observer.outcome(
+            at,
+            request_id,
+            False,
+            outcome.code,
+            waited,
+            retry_after_s=outcome.retry_after_s,
+            binding=binding,
+        )
+        return AdmissionResult(None, outcome.code, waited, outcome.retry_after_s, binding)
+
+    def _attempt(self, event: SlotRequested | WaitRetried) -> tuple[object, Binding | None]:
+        """Apply an attempt: its outcome and, for a refusal under the predictive learner, the
+        constraint it came from."""
+        before = self.state
+        outcome = self._apply(event)
+        if not isinstance(outcome, Rejected) or self.state.predictive is None:
+            return outcome, None
+        verdict = attempt_prediction(before, self.state)
+        return outcome, refusal_binding(verdict, before.gate.decision, outcome.code)
 
     def _release(self, slot: Slot, status: int) -> None:
         at = self._at()

@@ -19,6 +19,11 @@ Guarantees:
   the proxy and the scrape on one thread);
 - histogram buckets are PIG's, and bounds are written in their shortest form (``le="1"``).
 
+With ``DYNAMIC_POLICY=predictive`` a block of ``inference_guard_predictive_*`` families follows
+the dynamic one: the predictions behind the latest cap and the latest verdict, the engine
+model's fit, what the learner has learned of the traffic, and the refusals by binding
+constraint; under PIG's learner the page is exactly PIG's.
+
 Values the core does not keep and that are rebuilt here (see the comments where they are
 emitted): the TTFT window of the latest poll, per-backend rates and TTFT windows, the tier
 reject deltas and waiting counts at the poll, the capacity projection and the TTFT and pressure
@@ -52,6 +57,7 @@ from guard_core.guard import GuardState
 from guard_core.lanes import Lane, Thresholds
 from guard_core.normalise import BackendStatus, normalise
 from guard_core.observations import Histogram
+from guard_core.predictive import Binding, FitSummary, Prediction, PredictiveState
 from guard_core.signals import Confidence, PollSignals
 from guard_core.throughput_learner import ThroughputState
 from guard_core.tier import Tier, basic_limit, premium_reserved
@@ -393,6 +399,16 @@ _NO_SNAPSHOT: Final = Snapshot(
 )
 
 
+# Stands in for the predictive learner's explanations before it has made one.
+_NO_PREDICTION: Final = Prediction(
+    user_tps=0.0,
+    ttft_s=0.0,
+    kv_usage=0.0,
+    binding=Binding.NONE,
+    fit=FitSummary(0.0, 0.0, 0.0, 0.0, 0.0, 0),
+)
+
+
 def _or_unknown(text: str) -> str:
     return text or "unknown"
 
@@ -434,7 +450,7 @@ class GuardMetrics:
     output thresholds in force, when adaptive classification runs.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0915 - one flat list of every instrument, in page order
         self,
         settings: Settings,
         state_provider: Callable[[], GuardState],
@@ -497,6 +513,8 @@ class GuardMetrics:
         self.priority_rewrite_duration = EventHistogram(PRIORITY_REWRITE_BUCKETS_S)
         # lanes, in PIG's order (global first)
         self.lanes = {lane: LaneMetrics(lane) for lane in Lane}
+        # the predictive learner: 429s by the constraint that refused them
+        self.predictive_refusals = {binding: EventCounter() for binding in Binding}
 
         self._poll = _PollFigures()
         self._previous_statuses: dict[str, BackendStatus] = {}
@@ -608,6 +626,8 @@ class GuardMetrics:
         self._backend_families(page, state)
         if self._settings.dynamic_enabled:
             self._dynamic(page, state)
+        if state.predictive is not None:
+            self._predictive(page, state.predictive)
         self._classifier(page)
         self._priority(page)
         self._lane_families(page)
@@ -1204,6 +1224,80 @@ class GuardMetrics:
             "One line per reason of the load state.",
             *({"state": "yellow", "reason": str(r)} for r in decision.yellow_reasons),
             *({"state": "red", "reason": str(r)} for r in decision.red_reasons),
+        )
+
+    def _predictive(self, page: _Page, model: PredictiveState) -> None:
+        """The predictive learner's explanation (``DYNAMIC_POLICY=predictive`` only)."""
+        prefix = "inference_guard_predictive_"
+        for which, prediction, what in (
+            ("cap", model.last_cap, "the cap published at the latest poll"),
+            ("verdict", model.last_verdict, "the latest admission attempt it judged"),
+        ):
+            shown = prediction or _NO_PREDICTION
+            page.table(
+                (
+                    (f"{prefix}{which}_user_tokens_per_second",
+                     f"Predicted per-user decode speed for {what}.", shown.user_tps),
+                    (f"{prefix}{which}_ttft_seconds",
+                     f"Predicted time to first token (queueing and interference) for {what}.",
+                     shown.ttft_s),
+                    (f"{prefix}{which}_kv_cache_usage",
+                     f"Predicted KV-cache usage for {what}.", shown.kv_usage),
+                )
+            )  # fmt: skip
+            page.info(
+                f"{prefix}{which}_binding_info",
+                f"The constraint that bound {what} (none: nothing did).",
+                {"binding": str(shown.binding)},
+            )
+        page.gauge(
+            prefix + "cap",
+            "The cap the learner set at the latest poll (requests in flight), before PIG's"
+            " intake rules and hard limits.",
+            (model.last_cap or _NO_PREDICTION).cap,
+        )
+        fit = FitSummary.of(model.fit())
+        page.table(
+            (
+                (prefix + "fit_step_base_seconds",
+                 "Engine model: seconds of one step with nothing decoding.", fit.step_base_s),
+                (prefix + "fit_per_decoder_seconds",
+                 "Engine model: seconds each decoding sequence adds to a step.",
+                 fit.per_decoder_s),
+                (prefix + "fit_per_kv_seconds",
+                 "Engine model: seconds a full KV cache adds to a step.", fit.per_kv_s),
+                (prefix + "fit_per_prompt_token_seconds",
+                 "Engine model: seconds of engine time each prompt token takes to prefill.",
+                 fit.per_prompt_token_s),
+                (prefix + "fit_relative_error",
+                 "Engine model: smoothed relative error of its inter-token latency"
+                 " predictions.", fit.relative_error),
+                (prefix + "fit_observations",
+                 "Engine model: poll intervals it has learned from.", fit.observations),
+                (prefix + "bytes_per_token",
+                 "Request body bytes per prompt token in use (learned, or"
+                 " DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN until learned).", model.ratio),
+                (prefix + "bytes_per_token_learned",
+                 "The bytes per token come from the backend's prompt-token counter.",
+                 model.bytes_per_token is not None),
+                (prefix + "decode_seconds",
+                 "How long a forwarded request decodes, learned from the finished ones.",
+                 model.decode_seconds),
+                (prefix + "decoding",
+                 "Forwarded requests that have had their first token.", model.decoders),
+                (prefix + "prefilling",
+                 "Forwarded requests still waiting for their first token.",
+                 model.pending_count),
+                (prefix + "prefill_tokens",
+                 "Estimated prompt tokens of the requests still waiting for their first token.",
+                 model.pending_tokens),
+            )
+        )  # fmt: skip
+        page.counters(
+            prefix + "refusals_total",
+            "429s from admission by the constraint that refused them (none: the gate's"
+            " tier, limit or intake rules).",
+            (({"binding": str(b)}, c.value) for b, c in self.predictive_refusals.items()),
         )
 
     def _classifier(self, page: _Page) -> None:

@@ -7,7 +7,8 @@ Guarantees:
   backend delays a round by at most the timeout;
 - a fetch or parse failure becomes a failed backend in the round, never an exception;
 - each round is published to the engine (which wakes every waiter) and reported to the
-  observer with the verbatim learner families, for recording.
+  observer with the verbatim learner families, for recording, and, under the predictive
+  learner, the explanation of the cap it set.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from guard_adapters.explain import poll_prediction
 from guard_adapters.metrics import MAX_PAGE_BYTES, parse_metrics
-from guard_core import BackendPoll, GuardError, PublishedDecision
+from guard_core import BackendPoll, GuardError, Prediction, PublishedDecision
 from guard_trio._engine import GuardEngine
 from guard_trio._http import fetch
 
@@ -44,6 +46,8 @@ class PollReport:
     pages: tuple[tuple[str, str | None, str], ...]  # (name, page text or None, error)
     polls: tuple[BackendPoll, ...]
     decision: PublishedDecision | None
+    #: The predictive learner's explanation of this round's cap (None under PIG's learner).
+    prediction: Prediction | None = None
 
 
 class Poller:
@@ -96,9 +100,11 @@ class Poller:
             polls.append(BackendPoll(name=source.name, sample=sample, error=error))
             pages.append((source.name, text, error))
         at = self.engine.seconds_since_start()
+        before = self.engine.state
         decision = self.engine.publish_poll(tuple(polls), at=at)
+        prediction = poll_prediction(before, self.engine.state)
         self.rounds += 1
-        report = PollReport(at, tuple(pages), tuple(polls), decision)
+        report = PollReport(at, tuple(pages), tuple(polls), decision, prediction)
         for listener in self.on_round:
             listener(report)
         return report

@@ -57,6 +57,7 @@ from guard_adapters.openai_body import (
 from guard_adapters.openai_body import plan as body_plan
 from guard_adapters.sse import FirstUsefulEventScanner, is_streaming_request
 from guard_core import (
+    Binding,
     DecisionSource,
     GuardError,
     Lane,
@@ -246,6 +247,8 @@ class ProxyApp:
         self.retry_after = (
             str(env.pig_retry_after_seconds).encode() if env.pig_retry_after_seconds > 0 else None
         )
+        #: ``PIG_RETRY_AFTER_MODE=predicted``: an admission 429 says the learner's seconds.
+        self.retry_after_predicted = settings.retry_after_predicted and self.retry_after is not None
         self.api_auth_paths = settings.auth_paths
         self.api_auth_enabled: bool = env.api_auth_enabled
         self.classify_errors: bool = env.upstream_error_classification_enabled
@@ -281,9 +284,14 @@ class ProxyApp:
 
     # -- small responses -----------------------------------------------------------------------
 
-    async def too_many_requests(self, down: Downstream) -> None:
+    async def too_many_requests(self, down: Downstream, predicted_s: int | None = None) -> None:
+        """The standard 429. ``predicted_s`` is an admission refusal's predicted Retry-After,
+        sent in place of ``PIG_RETRY_AFTER_SECONDS`` when ``PIG_RETRY_AFTER_MODE`` is
+        ``predicted``; ``PIG_RETRY_AFTER_SECONDS=0`` sends no Retry-After at all."""
         headers = [_JSON]
-        if self.retry_after is not None:
+        if predicted_s is not None and self.retry_after_predicted:
+            headers.append((b"retry-after", str(predicted_s).encode()))
+        elif self.retry_after is not None:
             headers.append((b"retry-after", self.retry_after))
         await down.respond(429, headers, TOO_MANY_REQUESTS_BODY)
 
@@ -435,7 +443,7 @@ class ProxyApp:
         # A short body costs nothing to read (a refusal drops it anyway and keeps the
         # connection); a long one, or one the classifier would parse, is worth a peek first.
         worth_a_peek = length is None or length > EARLY_DRAIN_BYTES or self.classify
-        if worth_a_peek and self.refused_at_once(tier):
+        if worth_a_peek and self.refused_at_once(tier, length):
             # Decided from the head alone: the body is neither read nor parsed for a 429.
             await self.refuse_early(down, tier, lane, path=path, length=length)
             return
@@ -476,15 +484,18 @@ class ProxyApp:
             self.metrics.queue_timeout.inc()
             return
         if result.code is not None and not down.gone:
-            self.count_refusal(tier, lane, result.code, waited=result.waited_s > 0)
+            self.count_refusal(
+                tier, lane, result.code, waited=result.waited_s > 0, binding=result.binding
+            )
             await self.discard_remaining(down)
-            await self.too_many_requests(down)
+            await self.too_many_requests(down, result.retry_after_s)
 
-    def refused_at_once(self, tier: Tier) -> bool:
+    def refused_at_once(self, tier: Tier, length: int | None) -> bool:
         """The gate would refuse a slot request now, with no wait: a pure peek at the engine's
         state (nothing is applied)."""
         engine = self.engine
-        step = apply_guard_event(engine.state, SlotRequested(engine.seconds_since_start(), tier))
+        attempt = SlotRequested(engine.seconds_since_start(), tier, length)
+        step = apply_guard_event(engine.state, attempt)
         return isinstance(step.outcome, Rejected)
 
     async def refuse_early(
@@ -499,9 +510,9 @@ class ProxyApp:
             result.slot.release(0)
         self.count_decision(result, started)
         code = result.code or RejectCode.GLOBAL_DYNAMIC_LIMIT
-        self.count_refusal(tier, lane, code, waited=False)
+        self.count_refusal(tier, lane, code, waited=False, binding=result.binding)
         await self.discard_remaining(down)
-        await self.too_many_requests(down)
+        await self.too_many_requests(down, result.retry_after_s)
 
     def count_decision(self, result: AdmissionResult, started: float) -> None:
         metrics = self.metrics
@@ -648,11 +659,21 @@ class ProxyApp:
             self.metrics.priority_rewrite_duration.observe(trio.current_time() - started)
         return [new]
 
-    def count_refusal(self, tier: Tier, lane: Lane, code: RejectCode, *, waited: bool) -> None:
-        """PIG's reject accounting (spec 4.4)."""
+    def count_refusal(
+        self,
+        tier: Tier,
+        lane: Lane,
+        code: RejectCode,
+        *,
+        waited: bool,
+        binding: Binding | None = None,
+    ) -> None:
+        """PIG's reject accounting (spec 4.4), and the predictive learner's by constraint."""
         metrics = self.metrics
         if waited:
             metrics.queue_timeout.inc()
+        if binding is not None:
+            metrics.predictive_refusals[binding].inc()
         if code is RejectCode.BACKEND_UNAVAILABLE:
             metrics.backend_unavailable.inc()
             return

@@ -18,6 +18,7 @@ from typing import IO
 
 import trio
 
+from guard_adapters.explain import explanation
 from guard_adapters.metrics import LEARNER_FAMILIES
 from guard_adapters.recording import (
     Arrival,
@@ -35,7 +36,7 @@ from guard_adapters.recording import (
     learner_text,
     open_for_writing,
 )
-from guard_core import PublishedDecision, RejectCode, Tier
+from guard_core import Binding, PublishedDecision, RejectCode, Tier
 from guard_trio._poller import PollReport
 
 __all__ = ("Recorder",)
@@ -82,7 +83,15 @@ class Recorder:
         self._add(Gone(at=at, id=request_id))
 
     def outcome(
-        self, at: float, request_id: int, admitted: bool, code: RejectCode | None, waited_s: float
+        self,
+        at: float,
+        request_id: int,
+        admitted: bool,
+        code: RejectCode | None,
+        waited_s: float,
+        *,
+        retry_after_s: int | None = None,
+        binding: Binding | None = None,
     ) -> None:
         self._add(
             Outcome(
@@ -91,6 +100,8 @@ class Recorder:
                 outcome="forwarded" if admitted else "rejected",
                 code=None if code is None else str(code),
                 waited_s=round(waited_s, 6),
+                retry_after_s=retry_after_s,
+                binding=None if binding is None else str(binding),
             )
         )
 
@@ -133,6 +144,9 @@ class Recorder:
                     yellow=[str(r) for r in decision.yellow_reasons],
                     red=[str(r) for r in decision.red_reasons],
                     source=str(decision.source),
+                    predicted=(
+                        None if report.prediction is None else explanation(report.prediction)
+                    ),
                 )
             )
 

@@ -114,10 +114,50 @@ def _print_summary(path: Path, summary: dict[str, Any], overrides: list[str], ou
         ],
         out,
     )
+    predictive = summary.get("predictive")
+    if predictive is not None:
+        _print_predictive(predictive, out)
     out.write(f"\npolls whose decision differs from the recording: {summary['differing_polls']}\n")
+    if summary["differing_outcomes"]:
+        out.write(
+            f"requests whose outcome differs from the recording: {summary['differing_outcomes']}\n"
+        )
     if summary["unparsable_scrapes"]:
         out.write(
             f"scrapes that no longer parse (counted as failed): {summary['unparsable_scrapes']}\n"
+        )
+
+
+def _print_predictive(predictive: dict[str, Any], out: IO[str]) -> None:
+    """The predictive learner's explanation: what bound the cap, the speed it predicted there,
+    the fit of its engine model, and the refusals by constraint."""
+    speed = predictive["predicted_user_tps_at_cap"]
+    fit = predictive["final_fit"]
+    out.write(
+        f"\npredictive learner: user tok/s predicted at the cap min {speed['min']:.1f}"
+        f"  median {speed['median']:.1f}  max {speed['max']:.1f}\n"
+        f"engine model at the end: step {1000 * fit['step_base_s']:.2f} ms"
+        f" + {1000 * fit['per_decoder_s']:.3f} ms per decoder"
+        f" + {1000 * fit['per_kv_s']:.2f} ms x KV usage,"
+        f" prefill {1000 * fit['per_prompt_token_s']:.4f} ms per prompt token;"
+        f" relative error {fit['relative_error']:.3f} (median"
+        f" {predictive['fit_relative_error_median']:.3f}) over {fit['observations']} intervals\n\n"
+    )
+    _table(
+        [("cap bound by", "polls")] + [(b, str(n)) for b, n in predictive["cap_binding"].items()],
+        out,
+    )
+    if predictive["refusals_by_binding"]:
+        out.write("\n")
+        _table(
+            [("refused by", "requests")]
+            + [(b, str(n)) for b, n in predictive["refusals_by_binding"].items()],
+            out,
+        )
+    if predictive["differing_explanations"]:
+        out.write(
+            "polls whose explanation differs from the recording:"
+            f" {predictive['differing_explanations']}\n"
         )
 
 
@@ -126,10 +166,20 @@ def _print_diff(result: ReplayResult, out: IO[str]) -> None:
         if not poll.differs or poll.recorded is None:
             continue
         rec, dec = poll.recorded, poll.decision
-        out.write(
+        line = (
             f"poll {poll.poll} at {dec.at:.3f}s: recorded cap {rec.cap} {rec.state} {rec.reason}"
-            f" -> replayed cap {dec.cap} {dec.state} {dec.final_reason}\n"
+            f" -> replayed cap {dec.cap} {dec.state} {dec.final_reason}"
         )
+        if poll.explanation_differs and rec.predicted is not None:
+            replayed = poll.prediction
+            now = (
+                "none" if replayed is None else f"{replayed.user_tps:.2f} tok/s {replayed.binding}"
+            )
+            line += (
+                f" (explanation: recorded {rec.predicted.user_tps:.2f} tok/s"
+                f" {rec.predicted.binding} -> replayed {now})"
+            )
+        out.write(line + "\n")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -33,6 +33,41 @@ setting (for example the yellow state limit follows the green one).
 """
 
 
+#: Prose printed under a section's table, keyed by the section's comment in ``Environment``.
+NOTES = {
+    "inference-guard's predictive learner (DYNAMIC_POLICY=predictive)": """
+`DYNAMIC_POLICY` picks the learner that sets the cap: `pig` (the default) is PIG's pipeline,
+unchanged; `predictive` learns, per backend and from every poll, how the engine's step time grows
+with the sequences it decodes, its KV-cache usage and the prompt tokens it takes in (the deltas of
+the generation and prompt token counters and of the inter-token latency histogram), and forwards
+a request only when, with it, every decoding user is still predicted to get
+`DYNAMIC_SINGLE_USER_TPS_YELLOW` tok/s, its own first token is predicted within
+`DYNAMIC_TTFT_TARGET_SECONDS` beyond what its prompt alone needs on an idle engine, and the KV
+cache stays below `DYNAMIC_PREDICTIVE_KV_LIMIT`. PIG's intake rules still apply (no metrics, every
+backend failing, the engine queueing), and so do tiers, the premium reserve, `GLOBAL_LIMIT` and
+the short wait. The predictive learner needs dynamic mode on (a metrics URL), and its own
+settings are checked only when it is chosen (how it works: [predictive.md](predictive.md)):
+
+- `DYNAMIC_PREDICTIVE_BATCH_TOKENS` (>= 16): the engine's token budget per step, vLLM's
+  `max_num_batched_tokens`; a long prompt is prefilled in chunks of this size.
+- `DYNAMIC_PREDICTIVE_FORGETTING` (in [0.5, 1)): how much of the fitted model each poll keeps;
+  lower follows a backend that slows down or recovers faster, higher is steadier.
+- `DYNAMIC_PREDICTIVE_KV_LIMIT` (in (0, 1]): the highest KV-cache usage a new request may bring
+  the engine to.
+- `DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN` (> 0): body bytes per prompt token until the backend's
+  prompt-token counter has taught the real ratio (the guard never parses the body for it).
+- `DYNAMIC_PREDICTIVE_HORIZON_SECONDS` (in [0.5, 60]): the time constant over which the prompt
+  tokens forwarded count as the engine's prefill load: short, so that a burst of long prompts
+  is seen as the burst it is.
+- `PIG_RETRY_AFTER_MODE`: `predicted` (the default under `DYNAMIC_POLICY=predictive`) gives a
+  429 from admission a `Retry-After` of the whole seconds until the learner predicts room for
+  it (1 to 30); `fixed` (the default otherwise) always sends `PIG_RETRY_AFTER_SECONDS`, which is
+  also the fallback when there is no prediction. `PIG_RETRY_AFTER_SECONDS=0` sends no
+  `Retry-After` in either mode.
+""",
+}
+
+
 def _sections() -> dict[str, str]:
     """Field name -> the ``# -- spec ...`` comment above it in the class body."""
     source = inspect.getsource(config.Environment)
@@ -69,10 +104,12 @@ def render() -> str:
     effective = config.load_config({}).env
     sections = _sections()
     out = [HEADER]
-    last_section = None
+    last_section: str | None = None
     for field in attrs.fields(config.Environment):
         section = sections.get(field.name, "")
         if section != last_section:
+            if last_section is not None and last_section in NOTES:
+                out.append(NOTES[last_section].rstrip("\n"))
             title = section[0].upper() + section[1:] if section else "Other"
             out.append(f"\n## {title}\n\n| variable | default |\n| --- | --- |")
             last_section = section
@@ -83,6 +120,8 @@ def render() -> str:
         if field.metadata.get("secret"):
             default += " (secret: never printed or recorded)"
         out.append(f"| `{name}` | `{default}` |")
+    if last_section is not None and last_section in NOTES:
+        out.append(NOTES[last_section].rstrip("\n"))
     return "\n".join(out) + "\n"
 
 

@@ -41,9 +41,29 @@ The log carries PIG's start-up line and one `pig_status` line every
 """
 
 
-def exposition() -> str:
+PREDICTIVE = """
+## With `DYNAMIC_POLICY=predictive`
+
+The predictive learner adds these families after the dynamic block (under PIG's learner the page
+is exactly the one above). The `cap_*` values are the predictions behind the cap set at the
+latest poll, the `verdict_*` values those behind the latest admission attempt the learner
+judged. `fit_*` is the engine model, fitted poll by poll from the backend's counters: a step
+takes `step_base + per_decoder x decoding + per_kv x KV usage`, and prefill takes the share
+`per_prompt_token x prompt tokens per second` of the engine's time, so the predicted inter-token
+latency is the step time divided by one minus that share.
+
+| metric | type | labels | meaning |
+| --- | --- | --- | --- |
+"""
+
+
+def exposition(policy: str = "pig") -> str:
     settings = load_config(
-        {"UPSTREAM": "http://backend:8000", "DYNAMIC_METRICS_URL": "http://backend:8000/metrics"}
+        {
+            "UPSTREAM": "http://backend:8000",
+            "DYNAMIC_METRICS_URL": "http://backend:8000/metrics",
+            "DYNAMIC_POLICY": policy,
+        }
     )
     state = GuardState.initial(settings.guard_config(), at=0.0)
     sample = BackendSample(running=4.0, waiting=0.0, kv_usage=0.2, generation_tokens=100.0)
@@ -54,9 +74,10 @@ def exposition() -> str:
     return metrics.exposition().decode()
 
 
-def render() -> str:
-    rows = []
-    for family in text_string_to_metric_families(exposition()):
+def _rows(page: str) -> dict[str, str]:
+    """One table row per family, by name, in page order."""
+    rows: dict[str, str] = {}
+    for family in text_string_to_metric_families(page):
         labels: set[str] = set()
         for sample in family.samples:
             labels.update(k for k in sample.labels if k not in ("le", "quantile"))
@@ -65,8 +86,14 @@ def render() -> str:
         name = f"{family.name}_total" if family.type == "counter" else family.name
         help_text = " ".join(family.documentation.split()).replace("|", "\\|")
         label_text = ", ".join(sorted(labels)) or "-"
-        rows.append(f"| `{name}` | {kind} | {label_text} | {help_text} |")
-    return HEADER + "\n".join(rows) + "\n"
+        rows[name] = f"| `{name}` | {kind} | {label_text} | {help_text} |"
+    return rows
+
+
+def render() -> str:
+    pig = _rows(exposition())
+    added = [row for name, row in _rows(exposition("predictive")).items() if name not in pig]
+    return HEADER + "\n".join(pig.values()) + "\n" + PREDICTIVE + "\n".join(added) + "\n"
 
 
 def main() -> int:

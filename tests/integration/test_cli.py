@@ -73,6 +73,29 @@ def test_replay_json_summary() -> None:
     assert summary["differing_polls"] == 0
 
 
+def test_replay_under_the_predictive_learner_shows_its_explanation(tmp_path: Path) -> None:
+    out_file = tmp_path / "decisions.jsonl"
+    result = cli(
+        "replay", str(EXAMPLE), "--set", "DYNAMIC_POLICY=predictive", "--out", str(out_file)
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "predictive learner: user tok/s predicted at the cap min" in out
+    assert "engine model at the end: step" in out
+    assert "ms per decoder" in out
+    assert "relative error" in out
+    assert "cap bound by" in out
+    assert "refused by" in out
+    polls = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert all(set(p["predicted"]) >= {"user_tps", "binding", "fit"} for p in polls)
+    summary = json.loads(
+        cli("replay", str(EXAMPLE), "--set", "DYNAMIC_POLICY=predictive", "--json").stdout
+    )
+    assert summary["predictive"]["polls"] == 150
+    # Under PIG's learner none of it is printed.
+    assert "predictive learner" not in cli("replay", str(EXAMPLE)).stdout
+
+
 def test_malformed_lines_are_skipped_and_counted_or_stop_with_strict(tmp_path: Path) -> None:
     lines = gzip.decompress(EXAMPLE.read_bytes()).splitlines(keepends=True)
     lines.insert(40, b'{"kind": "scrape", "at": "later"}\n')

@@ -5,16 +5,22 @@ Virtual time (trio's autojump clock), so every assertion on time is exact.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import pytest
 import trio
 
 from guard_core import (
+    BackendPoll,
+    BackendSample,
+    Binding,
     DecisionSource,
     GateConfig,
     GuardConfig,
     LimitReason,
     LoadState,
+    PredictiveConfig,
     PublishedDecision,
     RejectCode,
     Tier,
@@ -153,3 +159,91 @@ async def test_first_token_is_measured_from_arrival(autojump_clock: trio.abc.Clo
     assert len(engine.state.learner.prefill) == 1
     result.slot.release()
     assert not engine.state.learner.prefill
+
+
+# -- the predictive learner --------------------------------------------------------------------
+
+
+class Outcomes:
+    """An observer that keeps the outcomes the engine reports."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, RejectCode | None, int | None, Binding | None]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+    def outcome(
+        self,
+        at: float,
+        request_id: int,
+        admitted: bool,
+        code: RejectCode | None,
+        waited_s: float,
+        *,
+        retry_after_s: int | None = None,
+        binding: Binding | None = None,
+    ) -> None:
+        self.seen.append((admitted, code, retry_after_s, binding))
+
+
+def predictive_engine(observer: Outcomes | None = None) -> GuardEngine:
+    """A predictive guard after one good poll (4 running, little KV in use)."""
+    config = GuardConfig(predictive=PredictiveConfig())
+    engine = GuardEngine(config, observer=observer)
+    sample = BackendSample(running=4.0, waiting=0.0, kv_usage=0.05, generation_tokens=10.0)
+    engine.publish_poll((BackendPoll(name="metrics1", sample=sample),), at=0.0)
+    return engine
+
+
+async def test_the_predictive_learner_gets_each_body_size_and_first_token(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = predictive_engine()
+    result = await engine.admit(B, body_bytes=8000)
+    assert result.slot is not None
+    model = engine.state.predictive
+    assert model is not None
+    assert model.requests[result.slot.request_id].body_bytes == 8000
+    assert (model.pending_count, model.pending_tokens) == (1, 2000.0)
+    await trio.sleep(0.3)
+    result.slot.first_token()
+    model = engine.state.predictive
+    assert model is not None
+    assert (model.pending_count, model.decoders) == (0, 1)
+    assert model.requests[result.slot.request_id].first_at == pytest.approx(0.3, abs=0.01)
+    result.slot.release(200)
+    assert not engine.state.predictive.requests  # type: ignore[union-attr]
+
+
+async def test_a_predictive_refusal_carries_its_retry_after_and_binding(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    observer = Outcomes()
+    engine = predictive_engine(observer)
+    running = await engine.admit(B, body_bytes=4000)
+    assert running.slot is not None
+    # Prefilling a prompt of ten million tokens would stall the running stream (and keep this
+    # one from its first token) far beyond the targets: the learner refuses it.
+    refused = await engine.admit(B, body_bytes=40_000_000)
+    assert refused.slot is None
+    assert refused.code is RejectCode.GLOBAL_DYNAMIC_LIMIT
+    assert refused.binding in (Binding.SPEED, Binding.TTFT)
+    assert refused.retry_after_s is not None
+    assert 1 <= refused.retry_after_s <= 30
+    assert observer.seen[-1] == (False, refused.code, refused.retry_after_s, refused.binding)
+    assert observer.seen[0] == (True, None, None, None)
+
+
+async def test_pigs_learner_gives_no_retry_after_or_binding(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = engine_with_cap(1)
+    held = await engine.admit(P, body_bytes=100)
+    assert held.slot is not None
+    refused = await engine.admit(P, body_bytes=100)
+    assert (refused.code, refused.retry_after_s, refused.binding) == (
+        RejectCode.GLOBAL_DYNAMIC_LIMIT,
+        None,
+        None,
+    )

@@ -27,6 +27,7 @@ from guard_adapters.status_line import status_line
 from guard_core import (
     BackendPoll,
     BackendSample,
+    Binding,
     FirstTokenObserved,
     GuardState,
     Histogram,
@@ -678,3 +679,113 @@ def test_calling_every_instrument_never_raises(routed: Rig) -> None:
     page = routed.scrape()
     assert page.value("pig_sse_bridge_copy_errors_total") == 100
     assert page.value("pig_completed_total", lane="global") == 100
+
+
+# -- the predictive learner --------------------------------------------------------------------
+
+PREDICTIVE_FAMILIES = """
+inference_guard_predictive_cap_user_tokens_per_second       G
+inference_guard_predictive_cap_ttft_seconds                 G
+inference_guard_predictive_cap_kv_cache_usage               G
+inference_guard_predictive_cap_binding_info                 I binding
+inference_guard_predictive_verdict_user_tokens_per_second   G
+inference_guard_predictive_verdict_ttft_seconds             G
+inference_guard_predictive_verdict_kv_cache_usage           G
+inference_guard_predictive_verdict_binding_info             I binding
+inference_guard_predictive_cap                              G
+inference_guard_predictive_fit_step_base_seconds            G
+inference_guard_predictive_fit_per_decoder_seconds          G
+inference_guard_predictive_fit_per_kv_seconds               G
+inference_guard_predictive_fit_per_prompt_token_seconds     G
+inference_guard_predictive_fit_relative_error               G
+inference_guard_predictive_fit_observations                 G
+inference_guard_predictive_bytes_per_token                  G
+inference_guard_predictive_bytes_per_token_learned          G
+inference_guard_predictive_decode_seconds                   G
+inference_guard_predictive_decoding                         G
+inference_guard_predictive_prefilling                       G
+inference_guard_predictive_prefill_tokens                   G
+inference_guard_predictive_refusals_total                   C binding
+"""
+
+
+def polled_rig(policy: str) -> Rig:
+    rig = Rig({"DYNAMIC_METRICS_URL": "http://vllm:8000/metrics", "DYNAMIC_POLICY": policy})
+    for second in range(1, 6):
+        rig.poll(
+            float(second),
+            metrics1=BackendSample(
+                running=8.0,
+                waiting=0.0,
+                kv_usage=0.2,
+                generation_tokens=300.0 * second,
+                prompt_tokens=2000.0 * second,
+            ),
+        )
+    return rig
+
+
+def predictive_rig() -> Rig:
+    return polled_rig("predictive")
+
+
+def test_the_predictive_block_has_its_families_and_nothing_else_changes() -> None:
+    page = predictive_rig().scrape()
+    prefix = "inference_guard_predictive_"
+    added = {name for name in page.samples if name.startswith(prefix)}
+    rows = [line.split() for line in PREDICTIVE_FAMILIES.strip().splitlines()]
+    assert added == {row[0] for row in rows}
+    for name, kind, *labels in rows:
+        assert page.types[name] == ("counter" if kind == "C" else "gauge"), name
+        assert page.label_sets(name) == {frozenset(labels[0].split(",")) if labels else frozenset()}
+    # The rest of the page is PIG's, family for family, as under PIG's learner.
+    pig = polled_rig("pig").scrape()
+    assert {name for name in page.samples if not name.startswith(prefix)} == set(pig.samples)
+
+
+def test_the_predictive_block_follows_the_learner() -> None:
+    rig = predictive_rig()
+    model = rig.state.predictive
+    assert model is not None
+    assert model.last_cap is not None
+    page = rig.scrape()
+    assert page.value("inference_guard_predictive_cap") == model.last_cap.cap
+    assert page.value("inference_guard_predictive_cap_user_tokens_per_second") == (
+        model.last_cap.user_tps
+    )
+    binding = str(model.last_cap.binding)
+    assert page.value("inference_guard_predictive_cap_binding_info", binding=binding) == 1
+    fit = model.fit()
+    assert page.value("inference_guard_predictive_fit_observations") == fit.observations
+    assert page.value("inference_guard_predictive_fit_relative_error") == fit.relative_error
+    assert page.value("inference_guard_predictive_fit_step_base_seconds") == fit.step_base_s
+    assert page.value("inference_guard_predictive_bytes_per_token") == 4.0  # nothing learned
+    assert page.value("inference_guard_predictive_bytes_per_token_learned") == 0
+    assert page.value("inference_guard_predictive_decode_seconds") == model.decode_seconds
+    # No attempt judged yet: the verdict reads zero, bound by nothing.
+    assert page.value("inference_guard_predictive_verdict_user_tokens_per_second") == 0
+    assert page.value("inference_guard_predictive_verdict_binding_info", binding="none") == 1
+    rig.state = apply_guard_event(rig.state, SlotRequested(5.5, Tier.BASIC, 4000)).state
+    page = rig.scrape()
+    verdict = rig.state.predictive.last_verdict  # type: ignore[union-attr]
+    assert verdict is not None
+    assert page.value("inference_guard_predictive_verdict_user_tokens_per_second") == (
+        verdict.user_tps
+    )
+    assert page.value("inference_guard_predictive_prefilling") == 0  # asked, not forwarded
+
+
+def test_refusals_are_counted_by_binding_constraint() -> None:
+    rig = predictive_rig()
+    rig.metrics.predictive_refusals[Binding.SPEED].inc()
+    rig.metrics.predictive_refusals[Binding.SPEED].inc()
+    rig.metrics.predictive_refusals[Binding.NONE].inc()
+    page = rig.scrape()
+    assert page.value("inference_guard_predictive_refusals_total", binding="predicted_speed") == 2
+    assert page.value("inference_guard_predictive_refusals_total", binding="predicted_ttft") == 0
+    assert page.value("inference_guard_predictive_refusals_total", binding="predicted_kv") == 0
+    assert page.value("inference_guard_predictive_refusals_total", binding="none") == 1
+
+
+def test_pigs_learner_has_no_predictive_block(routed: Rig) -> None:
+    assert "inference_guard_predictive_" not in routed.scrape().text

@@ -36,6 +36,7 @@ from guard_core.lanes import (
     Thresholds,
 )
 from guard_core.policy import PolicyConfig
+from guard_core.predictive import PredictiveConfig
 from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
 from guard_core.signal_state import SignalThresholds
 
@@ -1129,6 +1130,190 @@ def test_sse_switches() -> None:
     assert_reported({"SSE_KEEPALIVE_ENABLED": "sometimes"}, "SSE_KEEPALIVE_ENABLED")
 
 
+# -- the predictive learner (DYNAMIC_POLICY) ---------------------------------------------------
+
+
+def predictive(**extra: str) -> dict[str, str]:
+    return dynamic(DYNAMIC_POLICY="predictive", **extra)
+
+
+def test_pig_is_the_default_learner_and_has_no_predictive_config() -> None:
+    settings = load_config(dynamic())
+    env = settings.env
+    assert env.dynamic_policy == "pig"
+    assert env.pig_retry_after_mode == "fixed"
+    assert not settings.predictive_enabled
+    assert not settings.retry_after_predicted
+    assert settings.guard_config().predictive is None
+    assert settings.guard_config() == GuardConfig()
+
+
+def test_predictive_builds_its_config_from_its_settings_and_pigs_targets() -> None:
+    settings = load_config(
+        predictive(
+            DYNAMIC_PREDICTIVE_BATCH_TOKENS="8192",
+            DYNAMIC_PREDICTIVE_FORGETTING="0.75",
+            DYNAMIC_PREDICTIVE_KV_LIMIT="1",
+            DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN="3.5",
+            DYNAMIC_PREDICTIVE_HORIZON_SECONDS="20",
+            DYNAMIC_SINGLE_USER_TPS_YELLOW="30",
+            DYNAMIC_TTFT_TARGET_SECONDS="0.5",
+            GLOBAL_LIMIT="96",
+        )
+    )
+    config = settings.guard_config()
+    assert settings.predictive_enabled
+    assert config.predictive == PredictiveConfig(
+        user_tps_target=30.0,
+        ttft_target_s=0.5,
+        batch_tokens=8192,
+        forgetting=0.75,
+        kv_limit=1.0,
+        bytes_per_token=3.5,
+        horizon_s=20.0,
+        global_limit=96,
+    )
+    # PIG's own pipeline keeps its settings: it still runs for the intake rules.
+    assert config.policy.user_tps_yellow == 30.0
+    assert config.policy.global_limit == 96
+
+
+def test_predictive_defaults() -> None:
+    config = load_config(predictive()).guard_config().predictive
+    assert config == PredictiveConfig(
+        batch_tokens=2048, forgetting=0.9, kv_limit=0.9, bytes_per_token=4.0, horizon_s=3.0
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("pig", "pig"), (" Predictive ", "predictive"), ("   ", "pig"), ("", "pig")]
+)
+def test_policy_is_trimmed_and_case_blind_and_blank_means_pig(text: str, value: str) -> None:
+    assert load_config(dynamic(DYNAMIC_POLICY=text)).env.dynamic_policy == value
+
+
+@pytest.mark.parametrize("text", ["pid", "predict", "both", "pig,predictive", "0"])
+def test_an_unknown_policy_is_a_clear_error(text: str) -> None:
+    message = assert_reported(dynamic(DYNAMIC_POLICY=text), "DYNAMIC_POLICY")
+    assert "must be pig or predictive" in message
+    assert repr(text) in message
+
+
+def test_predictive_needs_dynamic_mode() -> None:
+    message = assert_reported({"DYNAMIC_POLICY": "predictive"}, "DYNAMIC_POLICY")
+    assert "dynamic mode" in message
+    message = assert_reported(predictive(DYNAMIC_PIG_ENABLED="off"), "DYNAMIC_POLICY")
+    assert "DYNAMIC_PIG_ENABLED" in message
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fragment"),
+    [
+        ("DYNAMIC_PREDICTIVE_BATCH_TOKENS", "15", "must be >= 16"),
+        ("DYNAMIC_PREDICTIVE_FORGETTING", "1", "must be in [0.5, 1)"),
+        ("DYNAMIC_PREDICTIVE_FORGETTING", "0.49", "must be in [0.5, 1)"),
+        ("DYNAMIC_PREDICTIVE_KV_LIMIT", "0", "must be in (0, 1]"),
+        ("DYNAMIC_PREDICTIVE_KV_LIMIT", "1.01", "must be in (0, 1]"),
+        ("DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN", "0", "must be > 0"),
+        ("DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN", "-4", "must be > 0"),
+        ("DYNAMIC_PREDICTIVE_HORIZON_SECONDS", "0.4", "must be in [0.5, 60]"),
+        ("DYNAMIC_PREDICTIVE_HORIZON_SECONDS", "61", "must be in [0.5, 60]"),
+    ],
+)
+def test_predictive_ranges_only_when_predictive_is_chosen(
+    variable: str, value: str, fragment: str
+) -> None:
+    load_config(dynamic(**{variable: value}))
+    assert fragment in assert_reported(predictive(**{variable: value}), variable)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("DYNAMIC_PREDICTIVE_FORGETTING", "0.5"),
+        ("DYNAMIC_PREDICTIVE_FORGETTING", "0.999"),
+        ("DYNAMIC_PREDICTIVE_KV_LIMIT", "1"),
+        ("DYNAMIC_PREDICTIVE_HORIZON_SECONDS", "0.5"),
+        ("DYNAMIC_PREDICTIVE_HORIZON_SECONDS", "60"),
+        ("DYNAMIC_PREDICTIVE_BATCH_TOKENS", "16"),
+    ],
+)
+def test_predictive_range_ends_that_are_allowed(variable: str, value: str) -> None:
+    load_config(predictive(**{variable: value})).guard_config()
+
+
+def test_predictive_integers_and_floats_are_read_in_every_mode() -> None:
+    assert_reported(
+        dynamic(DYNAMIC_PREDICTIVE_BATCH_TOKENS="2k"), "DYNAMIC_PREDICTIVE_BATCH_TOKENS"
+    )
+    assert_reported(dynamic(DYNAMIC_PREDICTIVE_KV_LIMIT="nan"), "DYNAMIC_PREDICTIVE_KV_LIMIT")
+
+
+def test_the_speed_target_is_checked_for_predictive_even_with_pigs_stage_off() -> None:
+    off = {"DYNAMIC_SINGLE_USER_TPS_ENABLED": "off", "DYNAMIC_SINGLE_USER_TPS_YELLOW": "0"}
+    load_config(dynamic(**off))
+    message = assert_reported(predictive(**off), "DYNAMIC_SINGLE_USER_TPS_YELLOW")
+    assert "must be > 0" in message
+    # With PIG's stage on, its own check reports the value once.
+    assert_reported(
+        predictive(DYNAMIC_SINGLE_USER_TPS_YELLOW="0"), "DYNAMIC_SINGLE_USER_TPS_YELLOW"
+    )
+
+
+@pytest.mark.parametrize(
+    ("environ", "mode"),
+    [
+        (dynamic(), "fixed"),
+        (predictive(), "predicted"),
+        (predictive(PIG_RETRY_AFTER_MODE="fixed"), "fixed"),
+        (predictive(PIG_RETRY_AFTER_MODE=" "), "predicted"),
+        (dynamic(PIG_RETRY_AFTER_MODE="Predicted"), "predicted"),
+        ({"PIG_RETRY_AFTER_MODE": "PREDICTED"}, "predicted"),
+    ],
+)
+def test_retry_after_mode_follows_the_learner(environ: dict[str, str], mode: str) -> None:
+    settings = load_config(environ)
+    assert settings.env.pig_retry_after_mode == mode
+    assert settings.retry_after_predicted == (mode == "predicted")
+
+
+def test_retry_after_mode_is_fixed_or_predicted_and_the_fixed_value_stays() -> None:
+    message = assert_reported(dynamic(PIG_RETRY_AFTER_MODE="computed"), "PIG_RETRY_AFTER_MODE")
+    assert "must be fixed or predicted, got 'computed'" in message
+    env = load_config(predictive(PIG_RETRY_AFTER_SECONDS="0")).env
+    assert (env.pig_retry_after_seconds, env.pig_retry_after_mode) == (0, "predicted")
+
+
+def test_every_bad_predictive_variable_is_reported_at_once() -> None:
+    messages = errors_of(
+        predictive(
+            DYNAMIC_PREDICTIVE_BATCH_TOKENS="0",
+            DYNAMIC_PREDICTIVE_FORGETTING="2",
+            DYNAMIC_PREDICTIVE_KV_LIMIT="-1",
+            DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN="0",
+            DYNAMIC_PREDICTIVE_HORIZON_SECONDS="0",
+            PIG_RETRY_AFTER_MODE="sometimes",
+        )
+    )
+    assert {message.split(":")[0] for message in messages} == {
+        "DYNAMIC_PREDICTIVE_BATCH_TOKENS",
+        "DYNAMIC_PREDICTIVE_FORGETTING",
+        "DYNAMIC_PREDICTIVE_KV_LIMIT",
+        "DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN",
+        "DYNAMIC_PREDICTIVE_HORIZON_SECONDS",
+        "PIG_RETRY_AFTER_MODE",
+    }
+
+
+def test_predictive_settings_show_in_describe_and_load_back() -> None:
+    settings = load_config(predictive(DYNAMIC_PREDICTIVE_HORIZON_SECONDS="12.5"))
+    lines = settings.describe().split("\n")
+    assert "DYNAMIC_POLICY=predictive" in lines
+    assert "DYNAMIC_PREDICTIVE_HORIZON_SECONDS=12.5" in lines
+    assert "PIG_RETRY_AFTER_MODE=predicted" in lines
+    assert load_config(settings.redacted()) == settings
+
+
 # -- every section at once ---------------------------------------------------------------------
 
 
@@ -1185,6 +1370,13 @@ def test_every_new_section_is_covered_by_a_variable() -> None:
         "BACKEND_PRIORITY_FAIL_OPEN",
         "SSE_KEEPALIVE_ENABLED",
         "SSE_EARLY_BRIDGE_ENABLED",
+        "DYNAMIC_POLICY",
+        "DYNAMIC_PREDICTIVE_BATCH_TOKENS",
+        "DYNAMIC_PREDICTIVE_FORGETTING",
+        "DYNAMIC_PREDICTIVE_KV_LIMIT",
+        "DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN",
+        "DYNAMIC_PREDICTIVE_HORIZON_SECONDS",
+        "PIG_RETRY_AFTER_MODE",
     ):
         assert name in VARIABLES, name
 
@@ -1407,6 +1599,9 @@ _VALUES = st.one_of(
             "http://dstack:8090",
             "0.99",
             "64",
+            "predictive",
+            "predicted",
+            " Fixed ",
         ]
     ),
 )

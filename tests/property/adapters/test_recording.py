@@ -14,6 +14,7 @@ from guard_adapters.recording import (
     Arrival,
     Completion,
     Decision,
+    Explanation,
     FirstToken,
     Gone,
     Header,
@@ -35,6 +36,22 @@ from guard_adapters.recording import (
 times = st.floats(0, 1e6, allow_nan=False)
 ids = st.integers(0, 2**40)
 texts = st.text(max_size=40)
+
+numbers = st.floats(0, 1e9, allow_nan=False, allow_infinity=False)
+explanations = st.builds(
+    Explanation,
+    cap=st.integers(0, 10**4),
+    user_tps=numbers,
+    ttft_s=numbers,
+    kv_usage=st.floats(0, 1),
+    binding=st.sampled_from(["none", "predicted_speed", "predicted_ttft", "predicted_kv"]),
+    fit_step_base_s=numbers,
+    fit_per_decoder_s=numbers,
+    fit_per_kv_s=numbers,
+    fit_per_prompt_token_s=numbers,
+    fit_relative_error=numbers,
+    fit_observations=st.integers(0, 10**9),
+)
 
 records = st.one_of(
     st.builds(
@@ -58,6 +75,8 @@ records = st.one_of(
         outcome=st.sampled_from(["forwarded", "rejected"]),
         code=st.none() | texts,
         waited_s=st.floats(0, 1, allow_nan=False),
+        retry_after_s=st.none() | st.integers(1, 30),
+        binding=st.none() | st.sampled_from(["none", "predicted_speed", "predicted_ttft"]),
     ),
     st.builds(FirstToken, at=times, id=ids, seconds=st.floats(0, 100, allow_nan=False)),
     st.builds(Completion, at=times, id=ids, status=st.integers(0, 599)),
@@ -70,6 +89,7 @@ records = st.one_of(
         reason=texts,
         yellow=st.lists(texts, max_size=3),
         red=st.lists(texts, max_size=3),
+        predicted=st.none() | explanations,
     ),
 )
 
@@ -80,6 +100,41 @@ def test_every_record_round_trips(record: Record) -> None:
     assert line.endswith(b"\n")
     assert line.count(b"\n") == 1
     assert decode_line(line, line_no=7) == record
+
+
+def test_version_2_fields_are_written_only_when_set() -> None:
+    """A recording made with PIG's learner keeps its version-1 lines; the predictive
+    learner's explanation and predicted Retry-After appear only when there is one."""
+    plain = Outcome(at=1.0, id=3, outcome="rejected", code="global_dynamic_limit")
+    assert b"retry_after_s" not in encode(plain)
+    assert b"binding" not in encode(plain)
+    assert b"predicted" not in encode(Decision(at=1.0, poll=0, cap=4, state="green", reason="x"))
+    refused = Outcome(at=1.0, id=3, outcome="rejected", retry_after_s=4, binding="predicted_kv")
+    assert b'"retry_after_s":4,"binding":"predicted_kv"' in encode(refused)
+
+
+def test_version_1_lines_read_with_the_new_fields_empty() -> None:
+    outcome = decode_line(
+        b'{"kind":"outcome","at":2.5,"id":9,"outcome":"rejected","code":"tier_priority",'
+        b'"waited_s":0.5}',
+        line_no=4,
+    )
+    assert outcome == Outcome(at=2.5, id=9, outcome="rejected", code="tier_priority", waited_s=0.5)
+    assert isinstance(outcome, Outcome)
+    assert (outcome.retry_after_s, outcome.binding) == (None, None)
+    decision = decode_line(
+        b'{"kind":"decision","at":1.0,"poll":0,"cap":4,"state":"green","reason":"none",'
+        b'"yellow":[],"red":[],"source":"metrics"}',
+        line_no=5,
+    )
+    assert isinstance(decision, Decision)
+    assert decision.predicted is None
+    header = decode_line(
+        b'{"kind":"header","format":"inference-guard-recording","version":1}', line_no=1
+    )
+    assert isinstance(header, Header)
+    assert header.version == 1
+    assert Header().version == 2
 
 
 def test_header_round_trips_and_comes_first() -> None:

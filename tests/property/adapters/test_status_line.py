@@ -24,6 +24,7 @@ from guard_adapters.config import Settings, load_config
 from guard_adapters.status_line import (
     BackendDetail,
     RuntimeCounts,
+    current_snapshot,
     go_duration,
     startup_line,
     status_line,
@@ -219,6 +220,19 @@ def test_status_after_a_healthy_poll() -> None:
     assert "ttft_p95" not in got
     assert "prefill_transition" not in got
     assert "backend_detail" not in got
+
+
+def test_under_the_predictive_learner_the_status_keeps_pigs_detail() -> None:
+    """The gate holds PIG's decision with the predictive cap and reason: the line still shows
+    the learner's figures, and the cap and winner it is actually held to."""
+    state = healthy_state(settings(DYNAMIC_POLICY="predictive"))
+    assert current_snapshot(state) is state.learner.last
+    decision = state.gate.decision
+    assert decision.final_reason == "predicted_speed"
+    got = fields(line(state))
+    assert (got["limit"], got["winner"]) == (str(decision.cap), "predicted_speed")
+    assert (got["gen_tps"], got["decode"]) == ("400.0", "8")
+    assert got["learn"] == "converged/at_or_above_target"
 
 
 def test_rates_are_na_until_a_rate_exists() -> None:

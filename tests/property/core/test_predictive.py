@@ -16,6 +16,7 @@ from guard_core import (
     BackendSample,
     Binding,
     Flavour,
+    GateConfig,
     GuardConfig,
     GuardState,
     Histogram,
@@ -53,7 +54,9 @@ def _learned_fit() -> EngineFit:
 
 def _state(**changes: Any) -> PredictiveState:
     state = PredictiveState.initial(PredictiveConfig())
-    state = attrs.evolve(state, fits={"b": _learned_fit()}, healthy=1, bytes_per_token=4.0)
+    state = attrs.evolve(
+        state, fits={"b": _learned_fit()}, healthy=1, bytes_per_token=4.0, trusted_decoders=400.0
+    )
     return attrs.evolve(state, **changes)
 
 
@@ -99,6 +102,17 @@ def test_a_burst_of_long_prompts_is_refused_before_it_stalls_the_decoders() -> N
     # 8k-token prompts at 75 us per token: a second of prefill is about 13k tokens, so only
     # one or two fit before the TTFT or speed target binds.
     assert 1 <= admitted <= 3
+
+
+def test_a_young_fit_lets_load_grow_only_to_twice_what_it_has_seen() -> None:
+    state = _with_decoders(_state(trusted_decoders=10.0), 19, at=0.0)
+    verdict = rules.assess(state, 400, reserve=0, waited_s=0.0, at=1.0)
+    assert verdict.admit  # 20 in flight: within twice the 10 seen
+    state = rules.forwarded(state, 999, 400, at=1.0)
+    verdict = rules.assess(state, 400, reserve=0, waited_s=0.0, at=1.0)
+    assert not verdict.admit
+    assert verdict.prediction.binding is Binding.UNTRIED
+    assert rules.published_cap(state, at=1.0).cap == 20
 
 
 def test_time_already_waited_counts_against_the_ttft_target() -> None:
@@ -236,3 +250,19 @@ def test_pig_is_the_default_and_carries_no_predictive_state() -> None:
     assert step.outcome.retry_after_s is None
     state = apply_guard_event(step.state, PrefillStarted(0.0, 1, 100)).state
     assert apply_guard_event(state, PrefillEnded(0.0, 1)).state.predictive is None
+
+
+def test_learning_without_enforcing_never_refuses() -> None:
+    config = GuardConfig(
+        gate=GateConfig(dynamic=False, global_limit=64), predictive=PredictiveConfig()
+    )
+    state = GuardState.initial(config, at=0.0)
+    for rid in range(64):
+        step = apply_guard_event(state, SlotRequested(0.0, Tier.PREMIUM, body_bytes=400_000))
+        assert isinstance(step.outcome, Admitted)
+        state = apply_guard_event(step.state, PrefillStarted(0.0, rid, 400_000)).state
+    step = apply_guard_event(state, SlotRequested(0.0, Tier.PREMIUM, body_bytes=400))
+    assert isinstance(step.outcome, Queued)  # only GLOBAL_LIMIT holds it
+    assert str(step.outcome.code) == "global_limit"
+    assert state.predictive is not None
+    assert state.predictive.pending_count == 64  # it still tracks what it would predict from

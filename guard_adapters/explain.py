@@ -1,0 +1,119 @@
+"""The predictive learner's explanations, picked out of the guard's state for people to read.
+
+Reads: the guard's state before and after one step of :func:`guard_core.apply_guard_event`
+(an admission attempt or a poll), and the :class:`~guard_core.Prediction` values it holds.
+Guarantees:
+- pure: nothing here changes a state or reads a clock;
+- :func:`attempt_prediction` and :func:`poll_prediction` give the prediction made *by that
+  step* and ``None`` when the step made none (PIG's learner, a refusal by the gate's own counts
+  before the learner was asked, a poll without metrics). The learner stores each new prediction
+  as a new value, so a step made one exactly when the stored value is not the one held before;
+- :func:`refusal_binding` names the constraint a 429 is counted under: the learner's binding
+  when its verdict refused the attempt, ``predicted_speed`` when the gate's count refused it at
+  a cap the learner set from the predicted speed, and ``none`` when any other rule refused it
+  (tiers and the premium reserve, ``GLOBAL_LIMIT``, closed intake);
+- :func:`explanation` turns a prediction into the recording's :class:`Explanation` losslessly,
+  so a replay can compare what it predicted with what the live guard predicted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from guard_adapters.recording import Explanation
+from guard_core import (
+    Binding,
+    GuardState,
+    LimitReason,
+    Prediction,
+    PublishedDecision,
+    RejectCode,
+)
+
+__all__ = (
+    "as_json",
+    "attempt_prediction",
+    "explanation",
+    "poll_prediction",
+    "refusal_binding",
+)
+
+
+def attempt_prediction(before: GuardState, after: GuardState) -> Prediction | None:
+    """The verdict the predictive learner gave on the attempt that led from ``before`` to
+    ``after``, or ``None`` when it was not asked."""
+    model = after.predictive
+    if model is None or model.last_verdict is None:
+        return None
+    previous = before.predictive
+    if previous is not None and previous.last_verdict is model.last_verdict:
+        return None
+    return model.last_verdict
+
+
+def poll_prediction(before: GuardState, after: GuardState) -> Prediction | None:
+    """The explanation of the cap the poll that led from ``before`` to ``after`` published, or
+    ``None`` when the predictive learner set no cap at that poll."""
+    model = after.predictive
+    if model is None or model.last_cap is None:
+        return None
+    previous = before.predictive
+    if previous is not None and previous.last_cap is model.last_cap:
+        return None
+    return model.last_cap
+
+
+def refusal_binding(
+    verdict: Prediction | None, decision: PublishedDecision, code: RejectCode
+) -> Binding:
+    """The constraint a refusal with ``code`` is counted under (see the module notes).
+
+    ``verdict`` is the attempt's own prediction (:func:`attempt_prediction`), ``decision`` the
+    decision in force when it was refused.
+    """
+    if verdict is not None and verdict.binding is not Binding.NONE:
+        return verdict.binding
+    if (
+        code is RejectCode.GLOBAL_DYNAMIC_LIMIT
+        and decision.final_reason is LimitReason.PREDICTED_SPEED
+    ):
+        return Binding.SPEED
+    return Binding.NONE
+
+
+def explanation(prediction: Prediction) -> Explanation:
+    """The recording's form of ``prediction`` (every number kept exactly)."""
+    fit = prediction.fit
+    return Explanation(
+        cap=prediction.cap,
+        user_tps=prediction.user_tps,
+        ttft_s=prediction.ttft_s,
+        kv_usage=prediction.kv_usage,
+        binding=str(prediction.binding),
+        fit_step_base_s=fit.step_base_s,
+        fit_per_decoder_s=fit.per_decoder_s,
+        fit_per_kv_s=fit.per_kv_s,
+        fit_per_prompt_token_s=fit.per_prompt_token_s,
+        fit_relative_error=fit.relative_error,
+        fit_observations=fit.observations,
+    )
+
+
+def as_json(prediction: Prediction) -> dict[str, Any]:
+    """A JSON-ready view for replay output: the predictions, the binding and the fit."""
+    fit = prediction.fit
+    return {
+        "cap": prediction.cap,
+        "user_tps": prediction.user_tps,
+        "ttft_s": prediction.ttft_s,
+        "kv_usage": prediction.kv_usage,
+        "binding": str(prediction.binding),
+        "fit": {
+            "step_base_s": fit.step_base_s,
+            "per_decoder_s": fit.per_decoder_s,
+            "per_kv_s": fit.per_kv_s,
+            "per_prompt_token_s": fit.per_prompt_token_s,
+            "relative_error": fit.relative_error,
+            "observations": fit.observations,
+        },
+    }
