@@ -81,7 +81,7 @@ _MAX_RETRY_AFTER_S = 30
 #: start while the model learns it.
 _TRUST_FLOOR = 8.0
 _TRUST_GROWTH = 2.0
-_TRUST_DECAY = 0.99
+_TRUST_DECAY = 0.998
 #: The TTFT correction learns only from requests predicted to wait at least this long (shorter
 #: ones are dominated by one step's rounding), is bounded, and is smoothed per request.
 _MIN_PREDICTED_FIRST_S = 0.1
