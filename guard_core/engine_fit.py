@@ -128,39 +128,54 @@ class EngineFit:
     #: Smoothed relative error of the predictions made before each interval was folded in.
     relative_error: float = 0.0
 
-    # -- the coefficients in plain units ---------------------------------------------------------
+    #: The coefficients in plain units, scale applied: step base, per decoder, per full KV
+    #: cache, per prompt token (derived from ``theta`` and ``scale`` once, when built).
+    coefficients: tuple[float, float, float, float] = attrs.field(init=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        theta, scale = self.theta, self.scale
+        plain = (
+            max(_MIN_STEP_S, scale * theta[0]),
+            scale * max(0.0, theta[1]) / _DECODER_SCALE,
+            scale * max(0.0, theta[2]),
+            scale * max(0.0, theta[3]) / _PROMPT_SCALE,
+        )
+        object.__setattr__(self, "coefficients", plain)
 
     @property
     def step_base_s(self) -> float:
-        return max(_MIN_STEP_S, self.scale * self.theta[0])
+        return self.coefficients[0]
 
     @property
     def per_decoder_s(self) -> float:
-        return self.scale * max(0.0, self.theta[1]) / _DECODER_SCALE
+        return self.coefficients[1]
 
     @property
     def per_kv_s(self) -> float:
         """Seconds per step added by a full KV cache (attention reads)."""
-        return self.scale * max(0.0, self.theta[2])
+        return self.coefficients[2]
 
     @property
     def per_prompt_token_s(self) -> float:
-        return self.scale * max(0.0, self.theta[3]) / _PROMPT_SCALE
+        return self.coefficients[3]
 
     # -- predictions -------------------------------------------------------------------------------
 
     def decode_step_s(self, decoders: float, kv_usage: float) -> float:
         """One step's time without prefill work."""
-        return (
-            self.step_base_s
-            + self.per_decoder_s * max(0.0, decoders)
-            + self.per_kv_s * min(1.0, max(0.0, kv_usage))
-        )
+        base, per_decoder, per_kv, _ = self.coefficients
+        if decoders < 0:
+            decoders = 0.0
+        if kv_usage < 0:
+            kv_usage = 0.0
+        elif kv_usage > 1:
+            kv_usage = 1.0
+        return base + per_decoder * decoders + per_kv * kv_usage
 
     def inter_token_s(self, decoders: float, kv_usage: float, prompt_tps: float) -> float:
         """Mean inter-token latency with prompts arriving at ``prompt_tps``; ``inf`` when the
         prefill alone would take all of the engine's time."""
-        share = self.per_prompt_token_s * max(0.0, prompt_tps)
+        share = self.coefficients[3] * prompt_tps if prompt_tps > 0 else 0.0
         if share >= 1.0:
             return math.inf
         return self.decode_step_s(decoders, kv_usage) / (1.0 - share)

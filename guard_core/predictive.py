@@ -75,6 +75,7 @@ _MAX_HORIZON_S = 60.0
 #: Without a body size, a request is taken to have this many prompt tokens.
 _UNKNOWN_PROMPT_TOKENS = 512.0
 _MAX_RETRY_AFTER_S = 30
+_PRIOR_FIT = EngineFit()
 #: The trust region of the fit: requests in flight (per backend) may reach
 #: ``max(_TRUST_FLOOR, _TRUST_GROWTH x`` the most decoders seen``)``; what was seen decays by
 #: ``_TRUST_DECAY`` per poll. A young fit extrapolates badly, so load grows like TCP's slow
@@ -283,9 +284,12 @@ class PredictiveState:
 
     def fit(self) -> EngineFit:
         """The most pessimistic backend's fit (the prior when none has been learned)."""
-        if not self.fits:
-            return EngineFit()
-        return max(self.fits.values(), key=lambda fit: fit.decode_step_s(32, 0.3))
+        fits = self.fits
+        if not fits:
+            return _PRIOR_FIT
+        if len(fits) == 1:
+            return next(iter(fits.values()))
+        return max(fits.values(), key=lambda fit: fit.decode_step_s(32, 0.3))
 
     def admitted_decayed(self, at: float) -> float:
         elapsed = max(0.0, at - self.admitted_at)
