@@ -127,7 +127,7 @@ def policy(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The 90-second demonstration: simulated backend, guard and load; ``-- --quick`` for 36 s."""
+    """The 90-second demonstration: simulated backend, guard and load; ``-- --quick`` for 45 s."""
     session.install("-e", ".")
     session.run("inference-guard", "demo", *session.posargs)
 
