@@ -29,6 +29,7 @@ from guard_adapters.simulation import (
     RequestOutcome,
     SimulationResult,
     parse_policy,
+    quantile,
     simulate,
 )
 from guard_adapters.traces import TraceRequest, head, premium_flags, read_trace, scale_rate
@@ -158,16 +159,6 @@ class CellResult:
         return missed
 
 
-def _quantile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def _excess(outcome: RequestOutcome, profile: EngineProfile) -> float | None:
     ttft = outcome.ttft_s
     if ttft is None:
@@ -191,7 +182,7 @@ def _row(result: SimulationResult, profile: EngineProfile) -> PolicyRow:
         goodput_prompt_aware_per_s=everyone.goodput_prompt_aware_per_s,
         user_tps_p5=everyone.user_tps_p5,
         user_tps_p50=everyone.user_tps_p50,
-        ttft_excess_p95_s=_quantile(excess, 0.95),
+        ttft_excess_p95_s=quantile(sorted(excess), 0.95),
         ttft_p95_s=everyone.ttft_p95_s,
         premium_reject_rate=reject_rate(Tier.PREMIUM),
         basic_reject_rate=reject_rate(Tier.BASIC),

@@ -118,6 +118,7 @@ __all__ = (
     "Static",
     "TierSummary",
     "parse_policy",
+    "quantile",
     "simulate",
     "summarise",
     "validate_slowdowns",
@@ -288,7 +289,7 @@ class SeriesPoint:
     user_tps: float | None
 
 
-def _quantile(ordered: Sequence[float], q: float) -> float | None:
+def quantile(ordered: Sequence[float], q: float) -> float | None:
     """Linear interpolation between closest ranks; ``None`` for no data."""
     if not ordered:
         return None
@@ -323,11 +324,11 @@ class TierSummary:
             requests=len(outcomes),
             admitted=admitted,
             rejected=len(outcomes) - admitted,
-            user_tps_p5=_quantile(speeds, 0.05),
-            user_tps_p50=_quantile(speeds, 0.50),
-            ttft_p50_s=_quantile(ttfts, 0.50),
-            ttft_p95_s=_quantile(ttfts, 0.95),
-            ttft_p99_s=_quantile(ttfts, 0.99),
+            user_tps_p5=quantile(speeds, 0.05),
+            user_tps_p50=quantile(speeds, 0.50),
+            ttft_p50_s=quantile(ttfts, 0.50),
+            ttft_p95_s=quantile(ttfts, 0.95),
+            ttft_p99_s=quantile(ttfts, 0.99),
             goodput_per_s=good / duration_s if duration_s > 0 else 0.0,
             goodput_prompt_aware_per_s=good_prompt_aware / duration_s if duration_s > 0 else 0.0,
         )
