@@ -75,6 +75,9 @@ _MAX_HORIZON_S = 60.0
 #: Without a body size, a request is taken to have this many prompt tokens.
 _UNKNOWN_PROMPT_TOKENS = 512.0
 _MAX_RETRY_AFTER_S = 30
+#: On an engine that cannot reach the speed target for one user, the target becomes this share
+#: of its best single-user speed (but never below the red floor).
+_TARGET_SHARE = 0.95
 _PRIOR_FIT = EngineFit()
 #: The trust region of the fit: requests in flight (per backend) may reach
 #: ``max(_TRUST_FLOOR, _TRUST_GROWTH x`` the most decoders seen``)``; what was seen decays by
@@ -112,6 +115,9 @@ class PredictiveConfig:
 
     #: ``DYNAMIC_SINGLE_USER_TPS_YELLOW``: the per-user speed every decoding user keeps.
     user_tps_target: float = 25.0
+    #: ``DYNAMIC_SINGLE_USER_TPS_RED``: the floor the target gives way to on an engine that
+    #: cannot reach it even for one user (a large model on one GPU).
+    user_tps_floor: float = 20.0
     #: ``DYNAMIC_TTFT_TARGET_SECONDS``: the most queueing and interference a first token may see.
     ttft_target_s: float = 1.0
     #: The engine's token budget per step (vLLM ``max_num_batched_tokens``).
@@ -130,6 +136,10 @@ class PredictiveConfig:
 
     def __attrs_post_init__(self) -> None:
         _check(self.user_tps_target > 0, "DYNAMIC_SINGLE_USER_TPS_YELLOW must be > 0")
+        _check(
+            0 < self.user_tps_floor <= self.user_tps_target,
+            "DYNAMIC_SINGLE_USER_TPS_RED must be > 0 and <= DYNAMIC_SINGLE_USER_TPS_YELLOW",
+        )
         _check(self.ttft_target_s > 0, "DYNAMIC_TTFT_TARGET_SECONDS must be > 0")
         _check(self.batch_tokens >= 16, "DYNAMIC_PREDICTIVE_BATCH_TOKENS must be >= 16")
         _check(0.5 <= self.forgetting < 1, "DYNAMIC_PREDICTIVE_FORGETTING must be in [0.5, 1)")
@@ -150,6 +160,7 @@ class PredictiveConfig:
         """Targets shared with PIG's learner come from its settings; the rest as given."""
         return cls(
             user_tps_target=policy.user_tps_yellow,
+            user_tps_floor=min(policy.user_tps_red, policy.user_tps_yellow),
             ttft_target_s=policy.ttft_target_s,
             global_limit=policy.global_limit,
             **settings,
@@ -290,6 +301,16 @@ class PredictiveState:
         if len(fits) == 1:
             return next(iter(fits.values()))
         return max(fits.values(), key=lambda fit: fit.decode_step_s(32, 0.3))
+
+    def speed_target(self) -> float:
+        """The per-user speed admission keeps: the yellow target, or, on an engine too slow to
+        give even one user that (as fitted), nearly its best single-user speed, never below
+        the red floor."""
+        config = self.config
+        best = 1.0 / self.fit().decode_step_s(1.0, self.kv_usage)
+        if best >= config.user_tps_target / _TARGET_SHARE:
+            return config.user_tps_target
+        return max(config.user_tps_floor, min(config.user_tps_target, _TARGET_SHARE * best))
 
     def admitted_decayed(self, at: float) -> float:
         elapsed = max(0.0, at - self.admitted_at)
@@ -570,7 +591,7 @@ def _predict(
     trusted = max(_TRUST_FLOOR, _TRUST_GROWTH * state.trusted_decoders)
     if decoders > trusted:
         binding = Binding.UNTRIED
-    elif speed < config.user_tps_target:
+    elif speed < state.speed_target():
         binding = Binding.SPEED
     elif ttft > config.ttft_target_s:
         binding = Binding.TTFT
@@ -629,11 +650,12 @@ def published_cap(state: PredictiveState, *, at: float) -> Prediction:
     if state.kv_per_token is not None and inflight:
         per_request_kv = state.kv_per_token * state.tokens_in_flight(at) / inflight
     limit = config.global_limit
+    target = state.speed_target()
 
     def fast_enough(count: int) -> bool:
         per_backend = count / share
         kv = min(1.0, per_request_kv * per_backend)
-        return 1.0 / fit.inter_token_s(per_backend, kv, prompt_tps) >= config.user_tps_target
+        return 1.0 / fit.inter_token_s(per_backend, kv, prompt_tps) >= target
 
     low, high = 0, limit
     while low < high:
@@ -684,7 +706,7 @@ def retry_after_s(state: PredictiveState, prediction: Prediction, *, at: float) 
 
 def _excess(state: PredictiveState, prediction: Prediction) -> float:
     """How many requests must end before the prediction meets its target (at least 1)."""
-    target = state.config.user_tps_target
+    target = state.speed_target()
     if prediction.binding is Binding.SPEED and prediction.user_tps > 0:
         return max(1.0, (state.decoders + state.pending_count) * (1 - prediction.user_tps / target))
     return 1.0

@@ -266,3 +266,22 @@ def test_learning_without_enforcing_never_refuses() -> None:
     assert str(step.outcome.code) == "global_limit"
     assert state.predictive is not None
     assert state.predictive.pending_count == 64  # it still tracks what it would predict from
+
+
+def test_an_engine_too_slow_for_the_target_keeps_the_red_floor_instead() -> None:
+    fast = _state()
+    assert fast.speed_target() == 25.0
+    slow_fit = EngineFit()
+    for i in range(40):
+        decoders = 1 + i % 8
+        inter_token = 0.0466 + 0.000193 * decoders
+        slow_fit = observe(slow_fit, Interval(inter_token, decoders, 0.01, 0.0), forgetting=0.95)
+    slow = attrs.evolve(fast, fits={"b": slow_fit})
+    # One user gets about 21.4 tok/s: the target becomes 95 % of that, never below 20.
+    assert 20.0 <= slow.speed_target() < 21.4
+    state = _with_decoders(slow, 3, at=0.0)
+    assert rules.assess(state, 400, reserve=0, waited_s=0.0, at=1.0).admit
+    crowded = _with_decoders(slow, 12, at=0.0)
+    verdict = rules.assess(crowded, 400, reserve=0, waited_s=0.0, at=1.0)
+    assert not verdict.admit
+    assert verdict.prediction.binding is Binding.SPEED
