@@ -42,13 +42,11 @@ __all__ = (
 def attempt_prediction(before: GuardState, after: GuardState) -> Prediction | None:
     """The verdict the predictive learner gave on the attempt that led from ``before`` to
     ``after``, or ``None`` when it was not asked."""
-    model = after.predictive
-    if model is None or model.last_verdict is None:
+    if after.predictive is None or after.verdict is None:
         return None
-    previous = before.predictive
-    if previous is not None and previous.last_verdict is model.last_verdict:
+    if before.verdict is after.verdict:
         return None
-    return model.last_verdict
+    return after.verdict
 
 
 def poll_prediction(before: GuardState, after: GuardState) -> Prediction | None:

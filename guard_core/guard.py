@@ -123,6 +123,9 @@ class GuardState:
     gate: GateState
     learner: LearnerState
     predictive: PredictiveState | None = None
+    #: The predictive learner's latest admission verdict and its explanation (kept here, not in
+    #: the learner's state, so judging an attempt copies only this small value).
+    verdict: Prediction | None = None
 
     @classmethod
     def initial(cls, config: GuardConfig, *, at: float) -> GuardState:
@@ -278,15 +281,16 @@ def apply(state: GuardState, event: GuardEvent) -> GuardStep:
     if isinstance(outcome, Rejected) and outcome.code in _DYNAMIC_REJECTS:
         learner = attrs.evolve(learner, dynamic_rejects=learner.dynamic_rejects + 1)
     model = state.predictive
+    verdict = state.verdict
     if model is not None:
         if prediction is not None:
-            model = attrs.evolve(model, last_verdict=prediction)
+            verdict = prediction
         if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:
             basis = prediction or model.last_cap
             if basis is not None:
                 seconds = predictive_rules.retry_after_s(model, basis, at=event.at)
                 outcome = attrs.evolve(outcome, retry_after_s=seconds)
     return GuardStep(
-        attrs.evolve(state, gate=step.state, learner=learner, predictive=model),
+        attrs.evolve(state, gate=step.state, learner=learner, verdict=verdict),
         outcome=outcome,
     )

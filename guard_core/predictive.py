@@ -262,8 +262,8 @@ class PredictiveState:
     #: predictions are trusted up to twice that.
     trusted_decoders: float = 0.0
     inter_token_s: float | None = None
-    #: The explanation behind the latest verdict and the latest published cap.
-    last_verdict: Prediction | None = None
+    #: The explanation behind the latest published cap (the latest verdict is the guard's:
+    #: ``GuardState.verdict``).
     last_cap: Prediction | None = None
 
     @classmethod
@@ -342,6 +342,19 @@ class PredictiveState:
         return self.inflight_prompt_tokens + generated
 
 
+_FIELDS: tuple[str, ...] = tuple(field.name for field in attrs.fields(PredictiveState))
+
+
+def _replace(state: PredictiveState, **changes: Any) -> PredictiveState:
+    """``attrs.evolve`` without its generic machinery: the state has no validators or
+    converters, so a copy of its slots with the changes is the same value, built in about a
+    third less time (this runs several times per request)."""
+    new = object.__new__(PredictiveState)
+    for name in _FIELDS:
+        object.__setattr__(new, name, changes[name] if name in changes else getattr(state, name))
+    return new
+
+
 # -- request events --------------------------------------------------------------------------
 
 
@@ -359,7 +372,7 @@ def forwarded(
     tokens = state.prompt_tokens(body_bytes)
     tracked = _Tracked(tokens, body_bytes, at, state.first_token_s(tokens, at=at))
     requests = {**state.requests, request_id: tracked}
-    state = attrs.evolve(
+    state = _replace(
         state,
         requests=requests,
         pending_tokens=state.pending_tokens + tokens,
@@ -369,7 +382,7 @@ def forwarded(
         admitted_at=max(at, state.admitted_at),
     )
     if premium:
-        state = attrs.evolve(
+        state = _replace(
             state,
             premium_tokens=state.premium_decayed(at) + tokens,
             premium_at=max(at, state.premium_at),
@@ -395,7 +408,7 @@ def first_token(state: PredictiveState, request_id: int | None, *, at: float) ->
             if ttft_ratio is None
             else ttft_ratio * _TTFT_RATIO_SMOOTHING + observed * (1 - _TTFT_RATIO_SMOOTHING)
         )
-    return attrs.evolve(
+    return _replace(
         state,
         ttft_ratio=ttft_ratio,
         requests=requests,
@@ -436,7 +449,7 @@ def finished(state: PredictiveState, request_id: int, *, at: float) -> Predictiv
         changes["pending_tokens"] = 0.0
         changes["pending_count"] = 0
         changes["inflight_prompt_tokens"] = 0.0
-    return attrs.evolve(state, **changes)
+    return _replace(state, **changes)
 
 
 # -- polls -----------------------------------------------------------------------------------
@@ -540,7 +553,7 @@ def polled(state: PredictiveState, polls: tuple[BackendPoll, ...], *, at: float)
             else previous * _RATIO_SMOOTHING + observed * (1 - _RATIO_SMOOTHING)
         )
     changes["first_token_bytes_at_poll"] = state.first_token_bytes
-    state = attrs.evolve(state, **changes)
+    state = _replace(state, **changes)
     tokens = state.tokens_in_flight(at) / max(1, healthy)
     if healthy and usages and tokens >= 1000:
         observed_kv = state.kv_usage / tokens

@@ -627,7 +627,7 @@ class GuardMetrics:
         if self._settings.dynamic_enabled:
             self._dynamic(page, state)
         if state.predictive is not None:
-            self._predictive(page, state.predictive)
+            self._predictive(page, state.predictive, state.verdict)
         self._classifier(page)
         self._priority(page)
         self._lane_families(page)
@@ -1226,12 +1226,12 @@ class GuardMetrics:
             *({"state": "red", "reason": str(r)} for r in decision.red_reasons),
         )
 
-    def _predictive(self, page: _Page, model: PredictiveState) -> None:
+    def _predictive(self, page: _Page, model: PredictiveState, verdict: Prediction | None) -> None:
         """The predictive learner's explanation (``DYNAMIC_POLICY=predictive`` only)."""
         prefix = "inference_guard_predictive_"
         for which, prediction, what in (
             ("cap", model.last_cap, "the cap published at the latest poll"),
-            ("verdict", model.last_verdict, "the latest admission attempt it judged"),
+            ("verdict", verdict, "the latest admission attempt it judged"),
         ):
             shown = prediction or _NO_PREDICTION
             page.table(

@@ -767,7 +767,7 @@ def test_the_predictive_block_follows_the_learner() -> None:
     assert page.value("inference_guard_predictive_verdict_binding_info", binding="none") == 1
     rig.state = apply_guard_event(rig.state, SlotRequested(5.5, Tier.BASIC, 4000)).state
     page = rig.scrape()
-    verdict = rig.state.predictive.last_verdict  # type: ignore[union-attr]
+    verdict = rig.state.verdict
     assert verdict is not None
     assert page.value("inference_guard_predictive_verdict_user_tokens_per_second") == (
         verdict.user_tps

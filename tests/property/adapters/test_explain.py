@@ -88,7 +88,7 @@ def test_each_poll_and_each_judged_attempt_gives_its_own_prediction() -> None:
     assert verdict is not None
     # The same question asked again is judged again: a new verdict, even if equal.
     again = apply_guard_event(attempted, SlotRequested(2.5, Tier.BASIC, 1000)).state
-    assert attempt_prediction(attempted, again) is again.predictive.last_verdict  # type: ignore[union-attr]
+    assert attempt_prediction(attempted, again) is again.verdict
 
 
 def test_a_failed_poll_and_a_refusal_by_the_gate_make_none() -> None:
