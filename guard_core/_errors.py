@@ -6,7 +6,7 @@ contract violations by the caller, which mean a bug in the runtime that drives t
 
 from __future__ import annotations
 
-__all__ = ("GuardError", "InvalidObservation", "PolicyConfigError")
+__all__ = ("GuardError", "InvalidObservation", "PolicyConfigError", "require")
 
 
 class GuardError(Exception):
@@ -23,3 +23,10 @@ class InvalidObservation(GuardError):
 
 class PolicyConfigError(GuardError, ValueError):
     """A policy setting outside its documented range."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise :class:`PolicyConfigError` with ``message`` (which names the setting) unless
+    ``condition`` holds: the one range check of every settings value in the core."""
+    if not condition:
+        raise PolicyConfigError(message)

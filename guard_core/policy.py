@@ -11,15 +11,10 @@ from typing import Any
 
 import attrs
 
-from guard_core._errors import PolicyConfigError
+from guard_core._errors import require
 from guard_core.signal_state import SignalThresholds
 
 __all__ = ("PolicyConfig",)
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise PolicyConfigError(message)
 
 
 @attrs.frozen(kw_only=True)
@@ -65,52 +60,56 @@ class PolicyConfig:
     ttft_p99_red_s: float = 8.0
 
     def __attrs_post_init__(self) -> None:
-        _check(self.global_limit >= 0, "GLOBAL_LIMIT must be >= 0")
+        require(self.global_limit >= 0, "GLOBAL_LIMIT must be >= 0")
         if self.pressure_enabled:
-            _check(self.pressure_headroom >= 0, "DYNAMIC_PRESSURE_HEADROOM must be >= 0")
-            _check(self.pressure_min_limit >= 0, "DYNAMIC_PRESSURE_MIN_LIMIT must be >= 0")
-            _check(
+            require(self.pressure_headroom >= 0, "DYNAMIC_PRESSURE_HEADROOM must be >= 0")
+            require(self.pressure_min_limit >= 0, "DYNAMIC_PRESSURE_MIN_LIMIT must be >= 0")
+            require(
                 0 < self.pressure_learn_ratio <= 1, "DYNAMIC_PRESSURE_LEARN_RATIO must be in (0, 1]"
             )
-            _check(
+            require(
                 self.pressure_learn_min_running >= 0,
                 "DYNAMIC_PRESSURE_LEARN_MIN_RUNNING must be >= 0",
             )
         if self.user_tps_enabled:
-            _check(
+            require(
                 0 < self.user_tps_red <= self.user_tps_yellow,
                 "DYNAMIC_SINGLE_USER_TPS_RED must be > 0 and <= DYNAMIC_SINGLE_USER_TPS_YELLOW",
             )
-            _check(self.user_tps_min_running > 0, "DYNAMIC_SINGLE_USER_TPS_MIN_RUNNING must be > 0")
-            _check(
+            require(
+                self.user_tps_min_running > 0, "DYNAMIC_SINGLE_USER_TPS_MIN_RUNNING must be > 0"
+            )
+            require(
                 self.user_tps_yellow_consecutive > 0 and self.user_tps_red_consecutive > 0,
                 "DYNAMIC_SINGLE_USER_TPS_*_CONSECUTIVE must be > 0",
             )
-            _check(
+            require(
                 0 <= self.prefill_grace_min_s <= self.prefill_grace_max_s,
                 "prefill grace: MIN must be >= 0 and MAX >= MIN",
             )
-            _check(self.prefill_grace_bytes_per_s > 0, "prefill grace bytes per second must be > 0")
-            _check(self.prefill_grace_multiplier > 0, "prefill grace multiplier must be > 0")
-            _check(0 < self.capacity_ratio <= 1, "CAPACITY_RATIO must be in (0, 1]")
-            _check(
+            require(
+                self.prefill_grace_bytes_per_s > 0, "prefill grace bytes per second must be > 0"
+            )
+            require(self.prefill_grace_multiplier > 0, "prefill grace multiplier must be > 0")
+            require(0 < self.capacity_ratio <= 1, "CAPACITY_RATIO must be in (0, 1]")
+            require(
                 self.capacity_ratio <= self.capacity_ratio_max <= 1,
                 "CAPACITY_RATIO_MAX must be in [CAPACITY_RATIO, 1]",
             )
-            _check(0 <= self.capacity_smoothing < 1, "CAPACITY_SMOOTHING must be in [0, 1)")
-            _check(0 < self.capacity_step_up <= 1, "CAPACITY_RATIO_STEP_UP must be in (0, 1]")
-            _check(
+            require(0 <= self.capacity_smoothing < 1, "CAPACITY_SMOOTHING must be in [0, 1)")
+            require(0 < self.capacity_step_up <= 1, "CAPACITY_RATIO_STEP_UP must be in (0, 1]")
+            require(
                 self.capacity_healthy_consecutive > 0, "CAPACITY_HEALTHY_CONSECUTIVE must be > 0"
             )
-            _check(
+            require(
                 self.capacity_healthy_multiplier >= 1, "CAPACITY_HEALTHY_MULTIPLIER must be >= 1"
             )
         if self.ttft_enabled:
-            _check(self.ttft_target_s > 0, "DYNAMIC_TTFT_TARGET_SECONDS must be > 0")
-            _check(
+            require(self.ttft_target_s > 0, "DYNAMIC_TTFT_TARGET_SECONDS must be > 0")
+            require(
                 self.ttft_red_s >= self.ttft_target_s, "DYNAMIC_TTFT_RED_SECONDS must be >= target"
             )
-            _check(
+            require(
                 self.ttft_p99_red_s >= self.ttft_p99_target_s,
                 "DYNAMIC_TTFT_P99_RED_SECONDS must be >= the p99 target",
             )

@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from guard_core._errors import PolicyConfigError
+from guard_core._errors import require
 from guard_core.engine_fit import EngineFit, Interval, observe
 from guard_core.evaluation import BackendPoll
 from guard_core.observations import BackendSample
@@ -71,6 +71,9 @@ _MIN_INTERVAL_TOKENS = 20
 #: Bytes-per-token samples need this many prompt tokens in the interval.
 _MIN_PROMPT_TOKENS = 500
 _MIN_HORIZON_S = 0.5
+#: A finished request's decode time is taken within these bounds when learning its mean.
+_MIN_DECODE_S = 0.5
+_MAX_DECODE_S = 60.0
 _MAX_HORIZON_S = 60.0
 #: Without a body size, a request is taken to have this many prompt tokens.
 _UNKNOWN_PROMPT_TOKENS = 512.0
@@ -104,11 +107,6 @@ class Binding(enum.StrEnum):
     UNTRIED = "untried_load"
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise PolicyConfigError(message)
-
-
 @attrs.frozen(kw_only=True)
 class PredictiveConfig:
     """Settings of the predictive learner (``DYNAMIC_PREDICTIVE_*``)."""
@@ -135,25 +133,25 @@ class PredictiveConfig:
     global_limit: int = 512
 
     def __attrs_post_init__(self) -> None:
-        _check(self.user_tps_target > 0, "DYNAMIC_SINGLE_USER_TPS_YELLOW must be > 0")
-        _check(
+        require(self.user_tps_target > 0, "DYNAMIC_SINGLE_USER_TPS_YELLOW must be > 0")
+        require(
             0 < self.user_tps_floor <= self.user_tps_target,
             "DYNAMIC_SINGLE_USER_TPS_RED must be > 0 and <= DYNAMIC_SINGLE_USER_TPS_YELLOW",
         )
-        _check(self.ttft_target_s > 0, "DYNAMIC_TTFT_TARGET_SECONDS must be > 0")
-        _check(self.batch_tokens >= 16, "DYNAMIC_PREDICTIVE_BATCH_TOKENS must be >= 16")
-        _check(0.5 <= self.forgetting < 1, "DYNAMIC_PREDICTIVE_FORGETTING must be in [0.5, 1)")
-        _check(0 < self.kv_limit <= 1, "DYNAMIC_PREDICTIVE_KV_LIMIT must be in (0, 1]")
-        _check(
+        require(self.ttft_target_s > 0, "DYNAMIC_TTFT_TARGET_SECONDS must be > 0")
+        require(self.batch_tokens >= 16, "DYNAMIC_PREDICTIVE_BATCH_TOKENS must be >= 16")
+        require(0.5 <= self.forgetting < 1, "DYNAMIC_PREDICTIVE_FORGETTING must be in [0.5, 1)")
+        require(0 < self.kv_limit <= 1, "DYNAMIC_PREDICTIVE_KV_LIMIT must be in (0, 1]")
+        require(
             0 < self.bytes_per_token < math.inf,
             "DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN must be > 0",
         )
-        _check(
+        require(
             _MIN_HORIZON_S <= self.horizon_s <= _MAX_HORIZON_S,
             f"DYNAMIC_PREDICTIVE_HORIZON_SECONDS must be in [{_MIN_HORIZON_S:g},"
             f" {_MAX_HORIZON_S:g}]",
         )
-        _check(self.global_limit >= 0, "GLOBAL_LIMIT must be >= 0")
+        require(self.global_limit >= 0, "GLOBAL_LIMIT must be >= 0")
 
     @classmethod
     def from_policy(cls, policy: PolicyConfig, **settings: Any) -> PredictiveConfig:
@@ -324,9 +322,7 @@ class PredictiveState:
         """Predicted seconds until ``queued_tokens`` more prompt tokens are prefilled."""
         share = max(1, self.healthy)
         fit = self.fit()
-        kv = self.kv_usage
-        if self.kv_per_token is not None:
-            kv = self.kv_per_token * self.tokens_in_flight(at) / share
+        kv = _kv_after(self, 0.0, at=at, share=share)
         return fit.prefill_s(
             self.pending_tokens / share + queued_tokens,
             decoders=self.decoders / share,
@@ -436,7 +432,7 @@ def finished(state: PredictiveState, request_id: int, *, at: float) -> Predictiv
     else:
         changes["decoders"] = max(0, state.decoders - 1)
         changes["decoders_first_sum"] = state.decoders_first_sum - tracked.first_at
-        lasted = min(_MAX_HORIZON_S, max(_MIN_HORIZON_S, at - tracked.first_at))
+        lasted = min(_MAX_DECODE_S, max(_MIN_DECODE_S, at - tracked.first_at))
         previous = state.decode_s
         changes["decode_s"] = (
             lasted

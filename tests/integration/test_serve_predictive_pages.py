@@ -24,8 +24,8 @@ import h11
 import trio
 
 FIXTURES = Path(__file__).parents[1] / "fixtures/metrics"
-VLLM = FIXTURES / "vllm-0.10-nvcr25.09-qwen3-4b-fp8-idle-after-6req.prom"
-SGLANG = FIXTURES / "sglang-0.4-docs-llama3.1-8b-under-load.prom"
+VLLM = (FIXTURES / "vllm-0.10-nvcr25.09-qwen3-4b-fp8-idle-after-6req.prom").read_bytes()
+SGLANG = (FIXTURES / "sglang-0.4-docs-llama3.1-8b-under-load.prom").read_bytes()
 #: The counter lines the learner reads, in either engine's names.
 _ADVANCING = re.compile(
     rb"^((?:vllm|sglang):(?:prompt_tokens_total|generation_tokens_total"
@@ -82,6 +82,24 @@ async def start_pages(nursery: trio.Nursery, page: bytes) -> str:
     return f"http://{host}:{port}/metrics"
 
 
+async def start_stack(
+    nursery: trio.Nursery, page: bytes, start_sim: Any, start_guard: Any
+) -> tuple[str, Any]:
+    """A simulated backend for chat, the recorded page for metrics, and a predictive guard."""
+    metrics_url = await start_pages(nursery, page)
+    upstream, _ = await start_sim()
+    started: tuple[str, Any] = await start_guard(
+        {
+            "UPSTREAM": upstream,
+            "DYNAMIC_METRICS_URL": metrics_url,
+            "DYNAMIC_POLL_INTERVAL_MS": "100",
+            "DYNAMIC_POLICY": "predictive",
+            "TOKEN": TOKEN,
+        }
+    )
+    return started
+
+
 def chat_body() -> bytes:
     return json.dumps(
         {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 8}
@@ -91,17 +109,7 @@ def chat_body() -> bytes:
 async def test_a_recorded_vllm_page_teaches_the_fit_and_requests_get_through(
     nursery: trio.Nursery, start_sim: Any, start_guard: Any, http: Any, until: Any
 ) -> None:
-    metrics_url = await start_pages(nursery, VLLM.read_bytes())
-    upstream, _ = await start_sim()
-    base, server = await start_guard(
-        {
-            "UPSTREAM": upstream,
-            "DYNAMIC_METRICS_URL": metrics_url,
-            "DYNAMIC_POLL_INTERVAL_MS": "100",
-            "DYNAMIC_POLICY": "predictive",
-            "TOKEN": TOKEN,
-        }
-    )
+    base, server = await start_stack(nursery, VLLM, start_sim, start_guard)
 
     def fitted() -> bool:
         model = server.engine.state.predictive
@@ -129,17 +137,7 @@ async def test_a_recorded_vllm_page_teaches_the_fit_and_requests_get_through(
 async def test_a_recorded_sglang_page_with_a_queue_closes_intake(
     nursery: trio.Nursery, start_sim: Any, start_guard: Any, http: Any, until: Any
 ) -> None:
-    metrics_url = await start_pages(nursery, SGLANG.read_bytes())
-    upstream, _ = await start_sim()
-    base, server = await start_guard(
-        {
-            "UPSTREAM": upstream,
-            "DYNAMIC_METRICS_URL": metrics_url,
-            "DYNAMIC_POLL_INTERVAL_MS": "100",
-            "DYNAMIC_POLICY": "predictive",
-            "TOKEN": TOKEN,
-        }
-    )
+    base, server = await start_stack(nursery, SGLANG, start_sim, start_guard)
     await until(lambda: server.poller.rounds >= 4, timeout_s=10)
     model = server.engine.state.predictive
     assert model is not None
