@@ -487,16 +487,37 @@ wrk.method = "POST"
 wrk.body = [[%(body)s]]
 wrk.headers["Content-Type"] = "application/json"
 %(headers)s
+%(count)s
 done = function(summary, latency, requests)
   local e = summary.errors
+  local c = counts()
   io.write(string.format(
     "WRK-JSON {\\"requests\\":%%d,\\"duration_us\\":%%d,\\"p50_us\\":%%.1f,\\"p99_us\\":%%.1f,"
     .. "\\"p999_us\\":%%.1f,\\"status\\":%%d,\\"connect\\":%%d,\\"read\\":%%d,"
-    .. "\\"write\\":%%d,\\"timeout\\":%%d}\\n",
+    .. "\\"write\\":%%d,\\"timeout\\":%%d,\\"refused\\":%%d,\\"closed\\":%%d}\\n",
     summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
-    latency:percentile(99.9), e.status, e.connect, e.read, e.write, e.timeout))
+    latency:percentile(99.9), e.status, e.connect, e.read, e.write, e.timeout, c[1], c[2]))
 end
 """
+
+#: Without counting, wrk skips the per-response Lua call (its fastest mode).
+WRK_NO_COUNT = "counts = function() return {-1, -1} end"
+
+#: The refusal flood: each thread counts its 429s and the answers that close the connection.
+WRK_COUNT = """\
+local threads = {}
+setup = function(thread) table.insert(threads, thread) end
+refused, closed = 0, 0
+response = function(status, headers, body)
+  if status == 429 then refused = refused + 1 end
+  local c = headers["Connection"] or headers["connection"]
+  if c == "close" then closed = closed + 1 end
+end
+counts = function()
+  local r, c = 0, 0
+  for _, t in ipairs(threads) do r = r + t:get("refused"); c = c + t:get("closed") end
+  return {r, c}
+end"""
 
 
 def wrk_post(
@@ -508,12 +529,23 @@ def wrk_post(
     pids: dict[str, int],
     cores: set[int],
     headers: Sequence[tuple[str, str]] = (),
+    count: bool = False,
 ) -> dict[str, float] | None:
-    """One wrk run (after a one-second warm-up run); None when its output cannot be read."""
+    """One wrk run (after a one-second warm-up run); None when its output cannot be read.
+
+    ``count``: also count the 429s and the answers that close the connection (slower for wrk).
+    """
     with tempfile.TemporaryDirectory() as scratch:
         script = Path(scratch) / "post.lua"
         extra = "\n".join(f'wrk.headers["{name}"] = "{value}"' for name, value in headers)
-        script.write_text(WRK_SCRIPT % {"body": POST_BODY.decode(), "headers": extra})
+        script.write_text(
+            WRK_SCRIPT
+            % {
+                "body": POST_BODY.decode(),
+                "headers": extra,
+                "count": WRK_COUNT if count else WRK_NO_COUNT,
+            }
+        )
         url = f"http://127.0.0.1:{port}{CHAT.decode()}"
 
         def command(duration: int) -> list[str]:
@@ -549,8 +581,10 @@ def wrk_post(
         return None
     figures = json.loads(found[1])
     errors = sum(figures[key] for key in ("status", "connect", "read", "write", "timeout"))
+    counted = {"refused": figures["refused"], "closed": figures["closed"]} if count else {}
     return {
         **usage,
+        **counted,
         "requests": figures["requests"],
         "rps": figures["requests"] / (figures["duration_us"] / 1e6),
         "p50_ms": figures["p50_us"] / 1000,
@@ -1115,6 +1149,28 @@ def post_rows(plan: Plan) -> list[Row]:
     return rows
 
 
+def refusal_rows() -> list[Row]:
+    """The refusal flood: small POSTs on kept-alive connections, every one answered 429."""
+    count, ms = fmt(0), fmt(3, " ms")
+    phase = "flood"
+    return [
+        (f"{REFUSAL_CONNECTIONS} connections: 429s/s", phase, "rps", count, None, ""),
+        ("  latency p50", phase, "p50_ms", ms, None, ""),
+        ("  latency p99", phase, "p99_ms", ms, None, ""),
+        ("  429s per CPU-second", phase, "guard_per_cpu_s", count, _ge(20000), ">= 20,000"),
+        ("  CPU share", phase, "guard_share", _percent, None, ""),
+        (
+            "  answers that closed the connection, per 1,000",
+            phase,
+            "closed_per_1k",
+            fmt(1),
+            _le(0),
+            "0",
+        ),
+        ("  answers other than 429", phase, "not_refused", count, _le(0), "0"),
+    ]
+
+
 def stream_rows(streams: int) -> list[Row]:
     phase = f"sse{streams}"
     ms, count, kib = fmt(2, " ms"), fmt(0), fmt(1, " KiB")
@@ -1199,6 +1255,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-dynamic", action="store_true", help="skip the dynamic-mode guard")
     parser.add_argument("--no-nginx", action="store_true", help="skip the nginx column")
     parser.add_argument(
+        "--no-refusals", action="store_true", help="skip the refusal flood (every request a 429)"
+    )
+    parser.add_argument(
         "--profile-guard", metavar="DIR", help="run the guard under cProfile, write DIR/*.prof"
     )
     parser.add_argument("--serve-backend", action="store_true", help=argparse.SUPPRESS)
@@ -1252,6 +1311,43 @@ http {
 }
 """
 
+#: nginx answering every request itself with the guard's 429 (the refusal flood's reference).
+NGINX_REFUSING_CONF = """\
+daemon off;
+master_process off;
+worker_processes 1;
+worker_rlimit_nofile 65536;
+pid %(dir)s/nginx.pid;
+error_log %(dir)s/error.log warn;
+events {
+    worker_connections 16384;
+}
+http {
+    access_log off;
+    client_body_temp_path %(dir)s/client_body;
+    proxy_temp_path %(dir)s/proxy;
+    fastcgi_temp_path %(dir)s/fastcgi;
+    uwsgi_temp_path %(dir)s/uwsgi;
+    scgi_temp_path %(dir)s/scgi;
+    keepalive_requests 1000000;
+    keepalive_timeout 300s;
+    server {
+        listen 127.0.0.1:%(port)d backlog=4096;
+        location / {
+            default_type application/json;
+            add_header Retry-After 1 always;
+            return 429 '%(body)s';
+        }
+    }
+}
+"""
+
+REFUSAL_BODY = (
+    '{"error":{"message":"Too many requests","type":"TooManyRequestsError",'
+    '"param":null,"code":429}}'
+)
+REFUSAL_CONNECTIONS = 32
+
 Results = dict[str, dict[str, float]]
 Target = Callable[["Plan", subprocess.Popen[Any], int], Results]
 
@@ -1290,6 +1386,7 @@ class Setup:
         self.targets: dict[str, Target] = {
             mode: functools.partial(self.through_guard, mode) for mode in self.columns[1:]
         }
+        self.refusals: dict[str, Results] = {}
         self.nginx: str | None = None
         if not getattr(args, "no_nginx", True):
             self.nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
@@ -1305,6 +1402,8 @@ class Setup:
         keep = ("PATH", "HOME", "PYTHONPATH", "LANG")
         env = {k: v for k, v in os.environ.items() if k in keep}
         env.update(GUARD_ENV, UPSTREAM=f"http://127.0.0.1:{backend_port}")
+        if mode == "guard refusing":
+            env.update(GLOBAL_LIMIT="0", PIG_QUEUE_WAIT_SECONDS="0")
         if mode == "guard dynamic":
             env.update(
                 DYNAMIC_PIG_ENABLED="true",
@@ -1387,8 +1486,76 @@ class Setup:
                         reason = str(exc).strip().splitlines() or [type(exc).__name__]
                         self.notes.append(f"{column}: skipped, it failed: {reason[0][:300]}")
                         del all_runs[column]
+            self.refusals = self.measure_refusals(plan, backend, backend_port)
         self.columns = [c for c in self.columns if c in all_runs]
         return {column: combine(runs) for column, runs in all_runs.items()}
+
+    def measure_refusals(
+        self, plan: Plan, backend: subprocess.Popen[Any], backend_port: int
+    ) -> dict[str, Results]:
+        """The refusal flood: every request answered 429 by the guard (static, GLOBAL_LIMIT=0,
+        no wait), and by nginx answering the same 429 itself, for reference."""
+        if not plan.post or self.wrk is None or getattr(self.args, "no_refusals", True):
+            return {}
+        refusals: dict[str, Results] = {}
+
+        def flood(port: int, pids: dict[str, int]) -> dict[str, float]:
+            assert self.wrk is not None
+            measured = wrk_post(
+                self.wrk,
+                port,
+                connections=REFUSAL_CONNECTIONS,
+                seconds=plan.post_seconds,
+                pids=pids,
+                cores=self.client_cores,
+                count=True,
+            )
+            if measured is None:
+                raise RuntimeError("wrk's output could not be read")
+            cpu = measured["guard_cpu_s"]
+            measured["guard_per_cpu_s"] = measured["refused"] / cpu if cpu > 0 else math.nan
+            measured["closed_per_1k"] = 1000 * measured["closed"] / max(measured["requests"], 1)
+            measured["not_refused"] = measured["requests"] - measured["refused"]
+            return measured
+
+        env = self.guard_env("guard refusing", backend_port)
+        try:
+            with tempfile.TemporaryDirectory() as scratch:
+                log = Path(scratch) / "guard.log"
+                with (
+                    log.open("wb") as log_file,
+                    process(
+                        self.guard_command("guard refusing"),
+                        env=env,
+                        stdout=log_file,
+                        stderr=log_file,
+                    ) as guard,
+                ):
+                    if self.pinning:
+                        pin(guard.pid, self.guard_cores)
+                    port = wait_for_port(log, guard)
+                    refusals["guard refusing"] = {"flood": flood(port, {"guard": guard.pid})}
+                    guard.terminate()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        guard.wait(timeout=10)
+            if self.nginx:
+                with tempfile.TemporaryDirectory() as scratch:
+                    port = free_port()
+                    conf = Path(scratch) / "nginx.conf"
+                    conf.write_text(
+                        NGINX_REFUSING_CONF % {"dir": scratch, "port": port, "body": REFUSAL_BODY}
+                    )
+                    log = Path(scratch) / "error.log"
+                    command = [self.nginx, "-p", scratch, "-c", str(conf), "-e", str(log)]
+                    cores = self.guard_cores if self.pinning else None
+                    with process(
+                        command, cores=cores, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+                    ) as nginx:
+                        wait_until_listening(port, nginx, 15, log)
+                        refusals["nginx refusing"] = {"flood": flood(port, {"guard": nginx.pid})}
+        except Exception as exc:  # a failed flood is a note, never the run
+            self.notes.append(f"refusal flood: skipped, it failed: {str(exc)[:300]}")
+        return refusals
 
 
 def tool_version(command: list[str]) -> str:
@@ -1453,6 +1620,10 @@ def report(setup: Setup, plan: Plan, results: dict[str, Results], header: dict[s
     print()
     if plan.post:
         print("\n".join(table("Small non-streaming POST", setup.columns, results, post_rows(plan))))
+    if setup.refusals:
+        print()
+        columns = list(setup.refusals)
+        print("\n".join(table("Refusal flood", columns, setup.refusals, refusal_rows())))
     for streams in plan.streams:
         title = f"SSE streaming, {streams} streams x {plan.rate:g} events/s"
         print()

@@ -21,6 +21,7 @@ import attrs
 
 from guard_core import gate as gate_rules
 from guard_core import predictive as predictive_rules
+from guard_core._values import replace
 from guard_core.decision import (
     Admission,
     Admitted,
@@ -279,7 +280,7 @@ def apply(state: GuardState, event: GuardEvent) -> GuardStep:
         step = gate_rules.apply(state.gate, event)
     outcome = step.outcome
     if isinstance(outcome, Rejected) and outcome.code in _DYNAMIC_REJECTS:
-        learner = attrs.evolve(learner, dynamic_rejects=learner.dynamic_rejects + 1)
+        learner = replace(learner, dynamic_rejects=learner.dynamic_rejects + 1)
     model = state.predictive
     verdict = state.verdict
     if model is not None:
@@ -290,7 +291,8 @@ def apply(state: GuardState, event: GuardEvent) -> GuardStep:
             if basis is not None:
                 seconds = predictive_rules.retry_after_s(model, basis, at=event.at)
                 outcome = attrs.evolve(outcome, retry_after_s=seconds)
+    if step.state is state.gate and learner is state.learner and verdict is state.verdict:
+        return GuardStep(state, outcome=outcome)  # a refusal at once changes nothing
     return GuardStep(
-        attrs.evolve(state, gate=step.state, learner=learner, verdict=verdict),
-        outcome=outcome,
+        replace(state, gate=step.state, learner=learner, verdict=verdict), outcome=outcome
     )

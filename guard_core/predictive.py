@@ -39,6 +39,7 @@ from typing import Any
 import attrs
 
 from guard_core._errors import require
+from guard_core._values import replace
 from guard_core.engine_fit import EngineFit, Interval, observe
 from guard_core.evaluation import BackendPoll
 from guard_core.observations import BackendSample
@@ -338,17 +339,10 @@ class PredictiveState:
         return self.inflight_prompt_tokens + generated
 
 
-_FIELDS: tuple[str, ...] = tuple(field.name for field in attrs.fields(PredictiveState))
-
-
 def _replace(state: PredictiveState, **changes: Any) -> PredictiveState:
-    """``attrs.evolve`` without its generic machinery: the state has no validators or
-    converters, so a copy of its slots with the changes is the same value, built in about a
-    third less time (this runs several times per request)."""
-    new = object.__new__(PredictiveState)
-    for name in _FIELDS:
-        object.__setattr__(new, name, changes[name] if name in changes else getattr(state, name))
-    return new
+    """A copy with ``changes`` (the state has no validators: see guard_core._values); this runs
+    several times per request."""
+    return replace(state, **changes)
 
 
 # -- request events --------------------------------------------------------------------------

@@ -26,13 +26,16 @@ Guarantees:
 
 from __future__ import annotations
 
+import functools
 import socket
+from collections.abc import Sequence
 from http import HTTPStatus
 
 import attrs
 import h11
 import trio
 
+from guard_adapters.http_head import SimpleRequest, read_simple_request
 from guard_core import GuardError
 
 __all__ = (
@@ -115,6 +118,10 @@ class Downstream:
         self._body_deadline: float | None = None
         #: Set once the current request has been read to its end (or the client closed).
         self._request_read = trio.Event()
+        #: Bytes the simple-request reader holds: read, not yet answered nor handed to h11.
+        self._raw = b""
+        #: The wait of :meth:`next_simple` for the next request, while it waits.
+        self._idle_wait: trio.CancelScope | None = None
 
     async def _receive(self) -> None:
         try:
@@ -175,6 +182,58 @@ class Downstream:
             if b"_" in name and _is_sensitive(name.replace(b"_", b"-")):
                 raise RefusedRequest(400, "underscore alias of a header the guard controls")
         return event
+
+    async def next_simple(self, deadline: float) -> SimpleRequest | bool:
+        """The next request when it is simple and already whole, head and body, in what has
+        arrived (:func:`~guard_adapters.http_head.read_simple_request`). Otherwise ``True``:
+        whatever was read is in h11's buffer for :meth:`next_request` (which then needs the time
+        left until ``deadline``); or ``False``: nothing came by ``deadline`` or before
+        :meth:`stop_waiting`, and the connection is to be closed without a response, as an idle
+        keep-alive one. A simple request stays pending here until it is answered
+        (:meth:`answer_simple`) or handed to h11 (:meth:`defer_simple`)."""
+        if self.h11.trailing_data[0] or self.h11.their_state is not h11.IDLE:
+            return True
+        if not self._raw:
+            data = b""
+            with trio.CancelScope(deadline=deadline) as waiting:
+                self._idle_wait = waiting
+                try:
+                    data = await receive_fast(self.stream, self._sock)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    data = b""
+            self._idle_wait = None
+            if waiting.cancelled_caught:
+                return False
+            if not data:
+                self.gone = True
+                self.h11.receive_data(b"")
+                return True  # h11 reads the close: next_request says so
+            self._raw = data
+        request = read_simple_request(self._raw)
+        if (
+            request is None
+            or request.body_length > EARLY_DRAIN_BYTES
+            or request.body_length > self.limits.max_bytes
+        ):
+            self.defer_simple()
+            return True
+        return request
+
+    def stop_waiting(self) -> None:
+        """End a wait of :meth:`next_simple` for the next request (a drain)."""
+        if self._idle_wait is not None:
+            self._idle_wait.cancel()
+
+    def defer_simple(self) -> None:
+        """Hand the pending simple request (and what follows it) to h11, unanswered."""
+        self.h11.receive_data(self._raw)
+        self._raw = b""
+
+    async def answer_simple(self, request: SimpleRequest, response: bytes) -> None:
+        """Answer the pending simple request with a whole response (its body is dropped, unread);
+        the connection stays open for the next request."""
+        self._raw = self._raw[request.head_end + request.body_length :]
+        await self.send_raw(response)
 
     def begin_body(self, request: h11.Request) -> None:
         """Start the body accounting of ``request``; a declared length over the cap is refused
@@ -248,14 +307,7 @@ class Downstream:
         self, status: int, headers: list[tuple[bytes, bytes]], body: bytes = b""
     ) -> None:
         """A whole response in one write."""
-        headers = [*headers, (b"content-length", str(len(body)).encode())]
-        events: list[h11.Event] = [
-            h11.Response(status_code=status, headers=headers, reason=_reason(status))
-        ]
-        if body:
-            events.append(h11.Data(data=body))
-        events.append(h11.EndOfMessage())
-        await self.send(*events)
+        await self.send(*_whole_response(status, headers, body))
 
     def frame(self, *events: h11.Event) -> bytes:
         """The bytes h11 would send for ``events`` (its state advances): for a caller that
@@ -379,6 +431,36 @@ def stdlib_socket(stream: object) -> socket.socket | None:
     ``tests/integration/test_fast_paths.py`` so that a trio change fails loudly."""
     sock = getattr(getattr(stream, "socket", None), "_sock", None)
     return sock if isinstance(sock, socket.socket) else None
+
+
+def _whole_response(
+    status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes
+) -> list[h11.Event]:
+    framed = [*headers, (b"content-length", str(len(body)).encode())]
+    events: list[h11.Event] = [
+        h11.Response(status_code=status, headers=framed, reason=_reason(status))
+    ]
+    if body:
+        events.append(h11.Data(data=body))
+    events.append(h11.EndOfMessage())
+    return events
+
+
+#: A request h11 has read, so that :func:`whole_response_bytes` can frame an answer to it.
+_SOME_REQUEST = b"POST / HTTP/1.1\r\nhost: guard\r\ncontent-length: 0\r\n\r\n"
+
+
+@functools.lru_cache(maxsize=256)
+def whole_response_bytes(
+    status: int, headers: tuple[tuple[bytes, bytes], ...], body: bytes
+) -> bytes:
+    """The exact bytes :meth:`Downstream.respond` writes for this answer on a kept-alive
+    HTTP/1.1 connection (framed by h11 once, then reused)."""
+    framer = h11.Connection(h11.SERVER)
+    framer.receive_data(_SOME_REQUEST)
+    while framer.next_event() is not h11.NEED_DATA and framer.their_state is not h11.DONE:
+        pass
+    return b"".join(framer.send(event) or b"" for event in _whole_response(status, headers, body))
 
 
 def _reason(status: int) -> bytes:

@@ -46,6 +46,7 @@ import trio
 from guard_adapters._errors import BodyRewriteError
 from guard_adapters.chunked import ChunkedBodyReader, ChunkedFramingError, frame
 from guard_adapters.config import Settings
+from guard_adapters.http_head import SimpleRequest
 from guard_adapters.openai_body import (
     InjectionPolicy,
     Plan,
@@ -81,8 +82,14 @@ from guard_core.lanes import (
 )
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
 from guard_trio._attestation import AttestationHandler
-from guard_trio._downstream import EARLY_DRAIN_BYTES, ClientGone, Downstream, ResponseAborted
-from guard_trio._engine import AdmissionResult, GuardEngine, Slot
+from guard_trio._downstream import (
+    EARLY_DRAIN_BYTES,
+    ClientGone,
+    Downstream,
+    ResponseAborted,
+    whole_response_bytes,
+)
+from guard_trio._engine import AdmissionResult, Attempt, GuardEngine, Slot
 from guard_trio._http import fetch
 from guard_trio._observability import BackendMetrics, GuardMetrics
 from guard_trio._upstream import UpstreamConnection, UpstreamError, UpstreamPool, UpstreamTarget
@@ -237,6 +244,7 @@ class ProxyApp:
             *env.pig_forward_paths,
         )
         self.known_routes = frozenset(known)
+        self.own_routes = frozenset((*_OWN_ROUTES, _ATTESTATION_ROUTE))
         self.known_keys = frozenset(_route_key(route) for route in known)
         self.suffix_keys = (
             tuple({_route_key(r) for r in (*settings.paths.paths, *settings.auth_paths.paths)})
@@ -249,6 +257,8 @@ class ProxyApp:
         )
         #: ``PIG_RETRY_AFTER_MODE=predicted``: an admission 429 says the learner's seconds.
         self.retry_after_predicted = settings.retry_after_predicted and self.retry_after is not None
+        #: The 429's bytes by predicted Retry-After (None: the configured one).
+        self._refusals: dict[int | None, bytes] = {}
         self.api_auth_paths = settings.auth_paths
         self.api_auth_enabled: bool = env.api_auth_enabled
         self.classify_errors: bool = env.upstream_error_classification_enabled
@@ -288,12 +298,61 @@ class ProxyApp:
         """The standard 429. ``predicted_s`` is an admission refusal's predicted Retry-After,
         sent in place of ``PIG_RETRY_AFTER_SECONDS`` when ``PIG_RETRY_AFTER_MODE`` is
         ``predicted``; ``PIG_RETRY_AFTER_SECONDS=0`` sends no Retry-After at all."""
-        headers = [_JSON]
+        await down.respond(429, list(self.refusal_headers(predicted_s)), TOO_MANY_REQUESTS_BODY)
+
+    def refusal_headers(self, predicted_s: int | None) -> tuple[tuple[bytes, bytes], ...]:
         if predicted_s is not None and self.retry_after_predicted:
-            headers.append((b"retry-after", str(predicted_s).encode()))
-        elif self.retry_after is not None:
-            headers.append((b"retry-after", self.retry_after))
-        await down.respond(429, headers, TOO_MANY_REQUESTS_BODY)
+            return (_JSON, (b"retry-after", str(predicted_s).encode()))
+        if self.retry_after is not None:
+            return (_JSON, (b"retry-after", self.retry_after))
+        return (_JSON,)
+
+    def admit_simple(self, request: SimpleRequest) -> tuple[Attempt | None, bytes | None]:
+        """The fast reader's request: answered here when it is an admission that is refused at
+        once (the 429's bytes, already counted), else handed on (the attempt, when one was made).
+
+        Only a POST to an admitted path gets this far; every other route, and a request the API
+        token check would refuse, returns ``(None, None)`` and takes the full path unchanged.
+        """
+        if request.method != b"POST":
+            return None, None
+        path = _route_path(request.target)
+        if (
+            path is None
+            or path in self.own_routes
+            or self.lookalike(path)
+            or not self.settings.paths.matches(path)
+        ):
+            return None, None
+        if (
+            self.api_auth_enabled
+            and self.api_auth_paths.matches(path)
+            and not self.authorized(list(request.headers))
+        ):
+            return None, None
+        tier = tier_from_header_values(request.values(b"x-user-tier"))
+        length = request.body_length
+        started = trio.current_time()
+        raw_path = request.target.decode("latin-1").partition("?")[0]
+        attempt = self.engine.begin(tier, path=raw_path, body_bytes=length)
+        result = attempt.result
+        if result is None or result.code is None:
+            return attempt, None  # admitted or queued: the full path serves it
+        lane = body_lane(length, self.body_thresholds)
+        self.metrics.lanes[lane].observe_body(length)
+        self.count_decision(result, started)
+        self.count_refusal(tier, lane, result.code, waited=False, binding=result.binding)
+        return None, self.refusal_bytes(result.retry_after_s)
+
+    def refusal_bytes(self, predicted_s: int | None) -> bytes:
+        """The whole 429 for a kept-alive connection, as :meth:`too_many_requests` sends it."""
+        answer = self._refusals.get(predicted_s)
+        if answer is None:
+            headers = self.refusal_headers(predicted_s)
+            answer = whole_response_bytes(429, headers, TOO_MANY_REQUESTS_BODY)
+            if len(self._refusals) < 64:  # predicted seconds are few; bound it all the same
+                self._refusals[predicted_s] = answer
+        return answer
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         """Exactly one Authorization header, equal in constant time to ``Bearer <TOKEN>``.
@@ -336,7 +395,11 @@ class ProxyApp:
 
     # -- routing -------------------------------------------------------------------------------
 
-    async def handle(self, down: Downstream, request: h11.Request) -> None:
+    async def handle(
+        self, down: Downstream, request: h11.Request, begun: Attempt | None = None
+    ) -> None:
+        """Serve one request; ``begun``: its admission, already attempted by the fast reader
+        (:meth:`admit_simple`), which only a POST to an admitted path has."""
         path = _route_path(request.target)
         if path is None or self.lookalike(path):
             # Refused before any check: no backend may read this target as another path.
@@ -402,7 +465,7 @@ class ProxyApp:
             await down.respond(400, [_TEXT], b"upgrade not allowed on this route\n")
             return
         if admitted_path:
-            await self.admitted(down, request, headers)
+            await self.admitted(down, request, headers, begun)
         elif self.forward_paths is not None and path not in self.forward_paths:
             await self.discard_body(down)
             await down.respond(404, [_TEXT], NOT_FOUND)
@@ -432,7 +495,11 @@ class ProxyApp:
     # -- QoS -----------------------------------------------------------------------------------
 
     async def admitted(
-        self, down: Downstream, request: h11.Request, headers: list[tuple[bytes, bytes]]
+        self,
+        down: Downstream,
+        request: h11.Request,
+        headers: list[tuple[bytes, bytes]],
+        begun: Attempt | None = None,
     ) -> None:
         """QoS: wait for a slot (or a refusal), then forward; the slot is released once."""
         tier = tier_from_header_values(_header_values(headers, b"x-user-tier"))
@@ -443,7 +510,7 @@ class ProxyApp:
         # A short body costs nothing to read (a refusal drops it anyway and keeps the
         # connection); a long one, or one the classifier would parse, is worth a peek first.
         worth_a_peek = length is None or length > EARLY_DRAIN_BYTES or self.classify
-        if worth_a_peek and self.refused_at_once(tier, length):
+        if begun is None and worth_a_peek and self.refused_at_once(tier, length):
             # Decided from the head alone: the body is neither read nor parsed for a 429.
             await self.refuse_early(down, tier, lane, path=path, length=length)
             return
@@ -465,7 +532,10 @@ class ProxyApp:
                 # Once the request is read to its end (now, or after it is streamed upstream),
                 # a closed client cancels everything: the wait, the upstream exchange.
                 nursery.start_soon(down.watch_for_disconnect, client_scope)
-                result = await self.engine.admit(tier, path=path, body_bytes=length)
+                if begun is None:
+                    result = await self.engine.admit(tier, path=path, body_bytes=length)
+                else:
+                    result = await self.engine.settle(begun)
                 self.count_decision(result, started)
                 if result.slot is not None:
                     await self.serve_slot(

@@ -38,7 +38,7 @@ from guard_trio._downstream import (
     RefusedRequest,
     ResponseAborted,
 )
-from guard_trio._engine import EngineObserver, GuardEngine
+from guard_trio._engine import Attempt, EngineObserver, GuardEngine
 from guard_trio._observability import CONTENT_TYPE, GuardMetrics
 from guard_trio._poller import MetricsSource, Poller, PollReport
 from guard_trio._proxy import ProxyApp, openai_error
@@ -159,48 +159,86 @@ class GuardServer:
         except OSError:
             peer = ""
         down = Downstream(stream, str(peer), self.body_limits)
+        self._connections[down] = None
         try:
             while not self.draining:
-                request = None
-                with trio.CancelScope() as waiting:  # drain cancels the wait of an idle one
-                    self._connections[down] = waiting
-                    try:
-                        request = await down.next_request(self.header_timeout_s)
-                    except RefusedRequest as refused:
-                        if down.can_respond:
-                            body = _REASONS.get(refused.status, b"bad request\n")
-                            headers = [(b"content-type", b"text/plain"), (b"connection", b"close")]
-                            with contextlib.suppress(ClientGone):
-                                await down.respond(refused.status, headers, body)
-                        return
-                self._connections[down] = None
-                if request is None:
+                deadline = trio.current_time() + self.header_timeout_s
+                simple = await down.next_simple(deadline)
+                if simple is False:
+                    return  # idle until the header timeout, or drained while idle
+                begun: Attempt | None = None
+                if simple is not True and self.draining:
+                    down.defer_simple()  # answered below, with Connection: close
+                elif simple is not True:
+                    # The refusal path: a request refused at once is answered from its head;
+                    # any other goes on through h11 below, its attempt (if any) with it.
+                    begun, answer = self.app.admit_simple(simple)
+                    if answer is not None:
+                        try:
+                            await down.answer_simple(simple, answer)
+                        except ClientGone:
+                            return
+                        continue
+                    down.defer_simple()
+                if not await self._serve_next(down, deadline, begun):
                     return
-                down.closing = down.closing or self.draining
-                try:
-                    down.begin_body(request)
-                except BodyRefused as refused:
-                    await _refuse_body(down, refused)
-                    return
-                await self.serve_request(down, request)
-                if (
-                    down.gone
-                    or down.closing
-                    or down.h11.our_state is not h11.DONE
-                    or down.h11.their_state is not h11.DONE
-                ):
-                    return
-                down.h11.start_next_cycle()
         finally:
             self._connections.pop(down, None)
             await down.close()
 
-    async def serve_request(self, down: Downstream, request: h11.Request) -> None:
+    async def _serve_next(self, down: Downstream, deadline: float, begun: Attempt | None) -> bool:
+        """One request through h11 (with its admission when the fast reader began it); whether
+        the connection may carry another."""
+        try:
+            request = await self._read_head(down, deadline)
+            if request is None:
+                return False
+            down.closing = down.closing or self.draining
+            try:
+                down.begin_body(request)
+            except BodyRefused as refused:
+                await _refuse_body(down, refused)
+                return False
+            await self.serve_request(down, request, begun)
+        finally:
+            if begun is not None:
+                self.app.engine.abandon(begun)  # a no-op once served: a slot is released once
+        if (
+            down.gone
+            or down.closing
+            or down.h11.our_state is not h11.DONE
+            or down.h11.their_state is not h11.DONE
+        ):
+            return False
+        down.h11.start_next_cycle()
+        return True
+
+    async def _read_head(self, down: Downstream, deadline: float) -> h11.Request | None:
+        """The next request head through h11 by ``deadline``; a bad one is answered here (and
+        the connection is to close: None), as is a client that closed or stayed idle."""
+        with trio.CancelScope() as waiting:  # drain cancels the wait of an idle one
+            self._connections[down] = waiting
+            try:
+                return await down.next_request(max(0.0, deadline - trio.current_time()))
+            except RefusedRequest as refused:
+                if down.can_respond:
+                    body = _REASONS.get(refused.status, b"bad request\n")
+                    headers = [(b"content-type", b"text/plain"), (b"connection", b"close")]
+                    with contextlib.suppress(ClientGone):
+                        await down.respond(refused.status, headers, body)
+                return None
+            finally:
+                self._connections[down] = None
+        return None  # drained while it waited
+
+    async def serve_request(
+        self, down: Downstream, request: h11.Request, begun: Attempt | None = None
+    ) -> None:
         self.active_requests += 1
         self._idle = trio.Event() if self.active_requests == 1 else self._idle
         try:
             try:
-                await self.app.handle(down, request)
+                await self.app.handle(down, request, begun)
             except BaseExceptionGroup as group:
                 # A nursery on the request path wraps even a single failure; judge the failure.
                 raise _sole(group) from None
@@ -266,6 +304,7 @@ class GuardServer:
                 await listener.aclose()
         for down, waiting in self._connections.items():
             down.closing = True  # the response in progress is its last
+            down.stop_waiting()
             if waiting is not None:
                 waiting.cancel()
         with trio.move_on_after(grace_s):

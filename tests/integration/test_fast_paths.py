@@ -85,3 +85,69 @@ async def test_an_http_1_0_client_gets_the_stream_through_h11(
     assert head.startswith(b"HTTP/1.1 200")
     assert b"transfer-encoding" not in head.lower()
     assert body.rstrip().endswith(b"data: [DONE]")
+
+
+# -- the refusal path: a request refused at once is answered from its head -------------------
+
+_REFUSED = {"DYNAMIC_PIG_ENABLED": "false", "GLOBAL_LIMIT": "0", "PIG_QUEUE_WAIT_SECONDS": "0"}
+
+
+def _post(body: bytes, *extra: bytes) -> bytes:
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: guard\r\n" + b"".join(extra)
+    return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+async def _answers(sock: trio.SocketStream, count: int) -> list[bytes]:
+    """``count`` whole Content-Length answers, as the bytes that came."""
+    buffer, answers = b"", list[bytes]()
+    with trio.fail_after(10):
+        while len(answers) < count:
+            end = buffer.find(b"\r\n\r\n")
+            if end >= 0:
+                head = buffer[:end].lower()
+                length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+                if len(buffer) >= end + 4 + length:
+                    answers.append(buffer[: end + 4 + length])
+                    buffer = buffer[end + 4 + length :]
+                    continue
+            data = await sock.receive_some(65536)
+            assert data, f"closed after {len(answers)} answers"
+            buffer += data
+    return answers
+
+
+async def test_refusals_at_once_keep_the_connection_and_match_the_full_path(
+    start_guard: Any, monkeypatch: Any
+) -> None:
+    fast_calls = {"simple": 0}
+    admit_simple = _proxy.ProxyApp.admit_simple
+
+    def counting(self: Any, request: Any) -> Any:
+        fast_calls["simple"] += 1
+        return admit_simple(self, request)
+
+    monkeypatch.setattr(_proxy.ProxyApp, "admit_simple", counting)
+    base, server = await start_guard({"UPSTREAM": "http://127.0.0.1:9", **_REFUSED}, poll=False)
+    host, port = base.removeprefix("http://").split(":")
+    sock = await trio.open_tcp_stream(host, int(port))
+    try:
+        body = b'{"model":"m","messages":[]}'
+        # Fifty refusals on one connection, pipelined ten at a time; then one that takes the
+        # full path (a Connection header needs h11's judgement) on the same connection.
+        for _ in range(5):
+            await sock.send_all(_post(body) * 10)
+            answers = await _answers(sock, 10)
+            assert len(set(answers)) == 1
+        fast = answers[0]
+        await sock.send_all(_post(body, b"Connection: keep-alive\r\n"))
+        (full,) = await _answers(sock, 1)
+        assert fast == full  # the same bytes either way
+        assert fast.startswith(b"HTTP/1.1 429 ")
+        assert b"connection: close" not in fast.lower()
+        await sock.send_all(_post(body))
+        assert await _answers(sock, 1) == [fast]  # still open, still the fast answer
+    finally:
+        await sock.aclose()
+    assert fast_calls["simple"] == 51  # the one with a Connection header took the full path
+    assert server.metrics.rejected.value == 52  # each one counted once
+    assert server.engine.state.gate.inflight == 0

@@ -1,0 +1,122 @@
+"""A strict, fast reader of the simplest HTTP/1.1 request heads: the refusal path's parser.
+
+Reads: the bytes a client sent on an idle keep-alive connection.
+Guarantees:
+- :func:`read_simple_request` returns a :class:`SimpleRequest` only for a request that h11 (as
+  the guard's :class:`~guard_trio._downstream.Downstream` configures and checks it) would accept
+  as the very same request: the same method, target, lower-cased header names and stripped
+  values, in order, with the same body length; ``tests/property/adapters/test_http_head.py``
+  holds it to that against h11 on generated and mutated heads;
+- it accepts only what needs no judgement: ``HTTP/1.1``, an origin-form target, CRLF line ends,
+  exactly one ``Host``, at most one ``Content-Length`` (digits only), no ``Transfer-Encoding``,
+  ``Upgrade``, ``Expect`` or ``Connection`` header, no ``CONNECT``, no obsolete line folding,
+  no underscore alias of a header the guard controls, at most :data:`MAX_HEADERS` lines and
+  :data:`MAX_HEAD_BYTES` bytes; anything else returns ``None`` and goes to h11 unchanged, so the
+  fast reader never answers a request differently from the full one, it only answers sooner;
+- it never parses the body: it only checks that all of it has arrived, and says where it starts
+  and how long it is.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+
+__all__ = ("MAX_HEADERS", "MAX_HEAD_BYTES", "SimpleRequest", "read_simple_request")
+
+#: The fast reader's limits; a longer head goes to h11 (whose own limits are larger).
+MAX_HEAD_BYTES = 8 * 1024
+MAX_HEADERS = 64
+
+_TOKEN = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
+#: What follows a header name as h11 reads it: colon, whitespace, the value, whitespace, CRLF.
+_REST_OF_FIELD = rb":[ \t]*((?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?)[ \t]*\r\n"
+#: The whole head: request line, header lines, blank line (CRLF only, no folding).
+_HEAD = re.compile(
+    rb"(" + _TOKEN + rb") (/[\x21-\x7e]*) HTTP/1\.1\r\n((?:" + _TOKEN + _REST_OF_FIELD + rb")*)\r\n"
+)
+#: One header line: (name, value).
+_FIELDS = re.compile(rb"(" + _TOKEN + rb")" + _REST_OF_FIELD)
+#: Headers whose presence needs the full reader's judgement (framing, upgrades, continues).
+_DEFERRED = frozenset({b"transfer-encoding", b"upgrade", b"expect", b"connection"})
+#: Header names the guard controls: an underscore alias of one goes to the full reader (400).
+_SENSITIVE = frozenset(
+    {
+        b"content-length",
+        b"transfer-encoding",
+        b"host",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"x-forwarded-for",
+        b"x-user-tier",
+    }
+)
+
+
+@attrs.frozen(slots=True)
+class SimpleRequest:
+    """One request head as h11 would give it."""
+
+    method: bytes
+    target: bytes
+    #: (lower-cased name, value) in the order sent, as ``h11.Request.headers`` iterates.
+    headers: tuple[tuple[bytes, bytes], ...]
+    #: The declared body length (0 when no Content-Length was sent).
+    body_length: int
+    #: Where the body starts in the buffer read.
+    head_end: int
+
+    def values(self, name: bytes) -> list[bytes]:
+        """Every value of header ``name`` (lower-case), in order."""
+        return [value for key, value in self.headers if key == name]
+
+
+def _sensitive_alias(name: bytes) -> bool:
+    alias = name.replace(b"_", b"-")
+    return alias in _SENSITIVE or alias.startswith(b"x-pig-")
+
+
+def read_simple_request(data: bytes) -> SimpleRequest | None:
+    """The request at the start of ``data`` when its head is simple and both head and body are
+    whole in ``data``; else None."""
+    end = data.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES)
+    if end < 0:
+        return None
+    head = _HEAD.match(data, 0, end + 4)
+    if head is None or head.end() != end + 4 or head[1] == b"CONNECT":
+        return None  # a bad line, a bare CR or LF, obs-fold: the full reader decides
+    fields = _FIELDS.findall(head[3])
+    if len(fields) > MAX_HEADERS:
+        return None
+    headers: list[tuple[bytes, bytes]] = []
+    hosts = 0
+    length: bytes | None = None
+    for raw_name, value in fields:
+        name = raw_name.lower()
+        if name in _DEFERRED or (b"_" in name and _sensitive_alias(name)):
+            return None
+        if name == b"host":
+            hosts += 1
+        elif name == b"content-length":
+            if length is not None or not value.isdigit() or len(value) > 18:
+                return None  # repeated, not a number, or absurd: the full reader says why
+            length = value
+        headers.append((name, value))
+    if hosts != 1:
+        return None
+    body_length = int(length) if length is not None else 0
+    head_end = end + 4
+    if len(data) < head_end + body_length:
+        return None  # the body is not all here yet
+    return SimpleRequest(
+        method=head[1],
+        target=head[2],
+        headers=tuple(headers),
+        body_length=body_length,
+        head_end=head_end,
+    )
