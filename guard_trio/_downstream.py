@@ -120,8 +120,12 @@ class Downstream:
         self._request_read = trio.Event()
         #: Bytes the simple-request reader holds: read, not yet answered nor handed to h11.
         self._raw = b""
-        #: The wait of :meth:`next_simple` for the next request, while it waits.
-        self._idle_wait: trio.CancelScope | None = None
+        #: While :meth:`next_simple` waits for the next request: since when.
+        self.idle_since: float | None = None
+        #: When the latest :meth:`next_simple` began to wait (None: it found bytes waiting).
+        self.wait_started: float | None = None
+        #: The connection's scope, which :meth:`stop_idle_wait` cancels (the server sets it).
+        self.idle_scope: trio.CancelScope | None = None
 
     async def _receive(self) -> None:
         try:
@@ -183,31 +187,31 @@ class Downstream:
                 raise RefusedRequest(400, "underscore alias of a header the guard controls")
         return event
 
-    async def next_simple(self, deadline: float) -> SimpleRequest | bool:
+    async def next_simple(self) -> SimpleRequest | None:
         """The next request when it is simple and already whole, head and body, in what has
-        arrived (:func:`~guard_adapters.http_head.read_simple_request`). Otherwise ``True``:
-        whatever was read is in h11's buffer for :meth:`next_request` (which then needs the time
-        left until ``deadline``); or ``False``: nothing came by ``deadline`` or before
-        :meth:`stop_waiting`, and the connection is to be closed without a response, as an idle
-        keep-alive one. A simple request stays pending here until it is answered
-        (:meth:`answer_simple`) or handed to h11 (:meth:`defer_simple`)."""
+        arrived (:func:`~guard_adapters.http_head.read_simple_request`). Otherwise None:
+        whatever was read is in h11's buffer for :meth:`next_request`. A simple request stays
+        pending here until it is answered (:meth:`answer_simple`) or handed to h11
+        (:meth:`defer_simple`).
+
+        The wait for the first byte has no timer of its own (a cancel scope per request is most
+        of a refusal's scheduling cost): while it lasts, :attr:`idle_since` says since when,
+        and the server's sweep ends it through :meth:`stop_idle_wait`."""
         if self.h11.trailing_data[0] or self.h11.their_state is not h11.IDLE:
-            return True
+            return None
+        self.wait_started = None
         if not self._raw:
-            data = b""
-            with trio.CancelScope(deadline=deadline) as waiting:
-                self._idle_wait = waiting
-                try:
-                    data = await receive_fast(self.stream, self._sock)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    data = b""
-            self._idle_wait = None
-            if waiting.cancelled_caught:
-                return False
+            self.idle_since = self.wait_started = trio.current_time()
+            try:
+                data = await receive_fast(self.stream, self._sock)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                data = b""
+            finally:
+                self.idle_since = None
             if not data:
                 self.gone = True
                 self.h11.receive_data(b"")
-                return True  # h11 reads the close: next_request says so
+                return None  # h11 reads the close: next_request says so
             self._raw = data
         request = read_simple_request(self._raw)
         if (
@@ -216,13 +220,24 @@ class Downstream:
             or request.body_length > self.limits.max_bytes
         ):
             self.defer_simple()
-            return True
+            return None
         return request
 
-    def stop_waiting(self) -> None:
-        """End a wait of :meth:`next_simple` for the next request (a drain)."""
-        if self._idle_wait is not None:
-            self._idle_wait.cancel()
+    def stop_idle_wait(self) -> bool:
+        """End the wait of :meth:`next_simple` (an idle timeout, a drain) unless bytes are already
+        there to be read; then it ends by itself with them. Whether it was ended."""
+        if self.idle_since is None or self.idle_scope is None:
+            return False
+        if self._sock is not None:
+            try:
+                if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    return False  # a request is arriving: it is served, not cut
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                pass  # a broken connection: ending the wait ends it
+        self.idle_scope.cancel()
+        return True
 
     def defer_simple(self) -> None:
         """Hand the pending simple request (and what follows it) to h11, unanswered."""

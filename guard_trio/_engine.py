@@ -212,7 +212,7 @@ class GuardEngine:
         outcome, binding = self._attempt(SlotRequested(arrived, tier, body_bytes))
         attempt = Attempt(request_id, tier, arrived, body_bytes, outcome, binding)
         if not isinstance(outcome, Queued):
-            self._conclude(attempt)
+            self._conclude(attempt, arrived)  # at once: the same instant
         return attempt
 
     async def admit(
@@ -238,7 +238,7 @@ class GuardEngine:
             self.observer.retry(at, attempt.request_id)
             attempt.outcome, attempt.binding = self._attempt(WaitRetried(at, queued))
             if not isinstance(attempt.outcome, Queued):
-                self._conclude(attempt)
+                self._conclude(attempt, at)
         return attempt.result
 
     def abandon(self, attempt: Attempt) -> None:
@@ -254,8 +254,7 @@ class GuardEngine:
         elif attempt.result.slot is not None:
             attempt.result.slot.release(0)
 
-    def _conclude(self, attempt: Attempt) -> None:
-        at = self._at()
+    def _conclude(self, attempt: Attempt, at: float) -> None:
         waited = at - attempt.arrived
         outcome = attempt.outcome
         if isinstance(outcome, Admitted):

@@ -172,6 +172,8 @@ def _header_values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[byte
 
 NOT_FOUND = b"404 page not found\n"
 #: The routes the guard answers itself (their case and trailing-slash variants are refused).
+#: How many request targets the fast reader remembers the route of.
+_ROUTE_CACHE_SIZE = 1024
 _OWN_ROUTES = ("/healthz", "/pig/metrics", "/v1/metrics", "/v1/upstream-status")
 _ATTESTATION_ROUTE = "/v1/attestation/report"
 #: In the raw path: anything but printable ASCII, a fragment, a backslash or an encoded slash.
@@ -259,6 +261,8 @@ class ProxyApp:
         self.retry_after_predicted = settings.retry_after_predicted and self.retry_after is not None
         #: The 429's bytes by predicted Retry-After (None: the configured one).
         self._refusals: dict[int | None, bytes] = {}
+        #: :meth:`_admitted_route` by request target (routes are few; the cache is bounded).
+        self._admitted_routes: dict[bytes, tuple[str, bool] | None] = {}
         self.api_auth_paths = settings.auth_paths
         self.api_auth_enabled: bool = env.api_auth_enabled
         self.classify_errors: bool = env.upstream_error_classification_enabled
@@ -316,24 +320,21 @@ class ProxyApp:
         """
         if request.method != b"POST":
             return None, None
-        path = _route_path(request.target)
-        if (
-            path is None
-            or path in self.own_routes
-            or self.lookalike(path)
-            or not self.settings.paths.matches(path)
-        ):
+        routes = self._admitted_routes
+        if request.target in routes:
+            route = routes[request.target]
+        else:
+            route = self._admitted_route(request.target)
+            if len(routes) < _ROUTE_CACHE_SIZE:
+                routes[request.target] = route
+        if route is None:
             return None, None
-        if (
-            self.api_auth_enabled
-            and self.api_auth_paths.matches(path)
-            and not self.authorized(list(request.headers))
-        ):
+        raw_path, token_checked = route
+        if token_checked and not self.authorized(list(request.headers)):
             return None, None
         tier = tier_from_header_values(request.values(b"x-user-tier"))
         length = request.body_length
         started = trio.current_time()
-        raw_path = request.target.decode("latin-1").partition("?")[0]
         attempt = self.engine.begin(tier, path=raw_path, body_bytes=length)
         result = attempt.result
         if result is None or result.code is None:
@@ -343,6 +344,21 @@ class ProxyApp:
         self.count_decision(result, started)
         self.count_refusal(tier, lane, result.code, waited=False, binding=result.binding)
         return None, self.refusal_bytes(result.retry_after_s)
+
+    def _admitted_route(self, target: bytes) -> tuple[str, bool] | None:
+        """For a POST to ``target``: (the path the engine records, whether the API token is
+        checked) when it is an admitted path :meth:`handle` would send to :meth:`admitted`;
+        None for every other route."""
+        path = _route_path(target)
+        if (
+            path is None
+            or path in self.own_routes
+            or self.lookalike(path)
+            or not self.settings.paths.matches(path)
+        ):
+            return None
+        token_checked = self.api_auth_enabled and self.api_auth_paths.matches(path)
+        return target.decode("latin-1").partition("?")[0], token_checked
 
     def refusal_bytes(self, predicted_s: int | None) -> bytes:
         """The whole 429 for a kept-alive connection, as :meth:`too_many_requests` sends it."""

@@ -161,30 +161,45 @@ class GuardServer:
         down = Downstream(stream, str(peer), self.body_limits)
         self._connections[down] = None
         try:
-            while not self.draining:
-                deadline = trio.current_time() + self.header_timeout_s
-                simple = await down.next_simple(deadline)
-                if simple is False:
-                    return  # idle until the header timeout, or drained while idle
-                begun: Attempt | None = None
-                if simple is not True and self.draining:
-                    down.defer_simple()  # answered below, with Connection: close
-                elif simple is not True:
-                    # The refusal path: a request refused at once is answered from its head;
-                    # any other goes on through h11 below, its attempt (if any) with it.
-                    begun, answer = self.app.admit_simple(simple)
-                    if answer is not None:
-                        try:
-                            await down.answer_simple(simple, answer)
-                        except ClientGone:
-                            return
-                        continue
-                    down.defer_simple()
-                if not await self._serve_next(down, deadline, begun):
-                    return
+            with trio.CancelScope() as down.idle_scope:  # cancelled only while idle (the sweep)
+                await self._serve_connection(down)
         finally:
             self._connections.pop(down, None)
             await down.close()
+
+    async def _serve_connection(self, down: Downstream) -> None:
+        while not self.draining:
+            simple = await down.next_simple()
+            begun: Attempt | None = None
+            if simple is not None and self.draining:
+                down.defer_simple()  # answered below, with Connection: close
+            elif simple is not None:
+                # The refusal path: a request refused at once is answered from its head;
+                # any other goes on through h11 below, its attempt (if any) with it.
+                begun, answer = self.app.admit_simple(simple)
+                if answer is not None:
+                    try:
+                        await down.answer_simple(simple, answer)
+                    except ClientGone:
+                        return
+                    continue
+                down.defer_simple()
+            # The head's time runs from when the connection began to wait for it.
+            deadline = (down.wait_started or trio.current_time()) + self.header_timeout_s
+            if not await self._serve_next(down, deadline, begun):
+                return
+
+    async def sweep_idle(self) -> None:
+        """End the keep-alive waits that outlast the header timeout (the fast reader's wait has
+        no timer of its own); a few times per timeout, so a wait ends within a quarter of it."""
+        period = min(0.25, self.header_timeout_s / 4)
+        while True:
+            await trio.sleep(period)
+            limit = trio.current_time() - self.header_timeout_s
+            for down in list(self._connections):
+                since = down.idle_since
+                if since is not None and since <= limit:
+                    down.stop_idle_wait()
 
     async def _serve_next(self, down: Downstream, deadline: float, begun: Attempt | None) -> bool:
         """One request through h11 (with its admission when the fast reader began it); whether
@@ -289,6 +304,7 @@ class GuardServer:
 
             nursery.start_soon(accept)
             nursery.start_soon(self.pool.sweep_every, _POOL_SWEEP_S)
+            nursery.start_soon(self.sweep_idle)
             nursery.start_soon(
                 self.log_status, float(self.settings.env.pig_status_log_interval_seconds)
             )
@@ -304,7 +320,7 @@ class GuardServer:
                 await listener.aclose()
         for down, waiting in self._connections.items():
             down.closing = True  # the response in progress is its last
-            down.stop_waiting()
+            down.stop_idle_wait()
             if waiting is not None:
                 waiting.cancel()
         with trio.move_on_after(grace_s):
