@@ -1,0 +1,387 @@
+"""The rules of one HTTP exchange through the guard, without I/O: which route a request takes,
+what the backend and the client are told, and how a refusal is counted.
+
+Reads: request targets and header lists (lower-case names, as h11 gives them), the routes the
+settings declare, the gate's published state; nothing else (no clock, no sockets).
+Guarantees:
+- :func:`route_path` gives the path every check sees, the one the backend gets: the
+  percent-decoded path, or None for a target some backend could read as another path (dot or
+  empty segments, ``;``, ``#``, ``\\``, ``%`` left after decoding, an encoded slash, bytes
+  outside printable ASCII);
+- :class:`Routes` decides the route of a request in PIG's order (``/healthz``, the metrics and
+  status routes, attestation, generation-route auth, QoS for a POST to an admitted path, plain
+  forwarding, only to ``PIG_FORWARD_PATHS`` when set); a case or trailing-slash variant of a
+  route the guard knows is refused (404) before any check;
+- :func:`token_matches` compares SHA-256 digests in constant time: neither the token's length
+  nor any byte of it changes how the comparison runs;
+- :func:`upstream_headers` never passes on a client's ``X-PIG-*`` header, a hop-by-hop header
+  (those the client names in ``Connection`` included), its ``Host``, ``Expect`` or framing;
+  the backend gets its own ``Host``, the forwarded-for chain with the socket peer last, and the
+  guard's own ``X-PIG-*`` facts;
+- :func:`refusal_counts` is PIG's reject accounting: which counters one refusal moves.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import re
+from collections.abc import Sequence
+from urllib.parse import unquote
+
+import attrs
+
+from guard_core import Binding, DecisionSource, GateState, Lane, LoadState, RejectCode, Tier
+from guard_core.routing import PathPolicy
+
+__all__ = (
+    "BAD_ENCODING_BODY",
+    "GATEWAY_TIMEOUT_BODY",
+    "NOT_FOUND",
+    "TOO_MANY_REQUESTS_BODY",
+    "UNAUTHORIZED_JSON",
+    "RefusalCounts",
+    "Route",
+    "Routes",
+    "content_length",
+    "first_header",
+    "header_values",
+    "hop_by_hop",
+    "is_chunked",
+    "low_load",
+    "openai_error",
+    "refusal_counts",
+    "route_key",
+    "route_path",
+    "token_digest",
+    "token_matches",
+    "upstream_headers",
+    "with_sse_defaults",
+    "without_length",
+)
+
+Headers = Sequence[tuple[bytes, bytes]]
+
+
+def openai_error(message: bytes, kind: bytes, code: int) -> bytes:
+    """An OpenAI-style error body (PIG's shape): what every refusal of the guard answers."""
+    return b'{"error":{"message":"%b","type":"%b","param":null,"code":%d}}\n' % (
+        message,
+        kind,
+        code,
+    )
+
+
+TOO_MANY_REQUESTS_BODY = openai_error(b"Too many requests", b"TooManyRequestsError", 429)
+GATEWAY_TIMEOUT_BODY = openai_error(
+    b"The backend did not answer in time", b"GatewayTimeoutError", 504
+)
+UNAUTHORIZED_JSON = openai_error(
+    b"Invalid or missing Authorization header", b"AuthenticationError", 401
+)
+BAD_ENCODING_BODY = openai_error(
+    b"The request body must be JSON encoded as UTF-8", b"BadRequestError", 400
+)
+NOT_FOUND = b"404 page not found\n"
+
+# -- paths -------------------------------------------------------------------------------------
+
+#: The routes the guard answers itself (their case and trailing-slash variants are refused).
+OWN_ROUTES = ("/healthz", "/pig/metrics", "/v1/metrics", "/v1/upstream-status")
+ATTESTATION_ROUTE = "/v1/attestation/report"
+#: In the raw path: anything but printable ASCII, a fragment, a backslash or an encoded slash.
+_UNSAFE_RAW = re.compile(rb"[^\x21-\x7e]|[#\\]|%2[fF]")
+#: In the decoded path: the same, plus what some backend would split, strip or decode again.
+_UNSAFE_DECODED = re.compile(r"[^\x21-\x7e]|[#\\;?%]|//|/\.\.?(?:/|$)")
+
+
+def route_path(target: bytes) -> str | None:
+    """The decoded path the guard routes on, or None when a backend could read ``target`` as
+    another path than the guard would. Only origin-form targets are served."""
+    if not target.startswith(b"/"):
+        return None
+    raw_path = target.partition(b"?")[0]
+    if _UNSAFE_RAW.search(raw_path):
+        return None
+    path = raw_path.decode("ascii")
+    if "%" in path:
+        try:
+            path = unquote(path, errors="strict")
+        except UnicodeDecodeError:
+            return None
+    if _UNSAFE_DECODED.search(path):
+        return None
+    return path
+
+
+def route_key(path: str) -> str:
+    """What a lenient backend might treat as the same route: case and trailing slashes."""
+    return path.rstrip("/").lower() or "/"
+
+
+class Route(enum.Enum):
+    """Where a request goes, in the order PIG checks."""
+
+    NOT_FOUND = "not_found"
+    HEALTH = "health"
+    METRICS = "metrics"
+    ALL_METRICS = "all_metrics"
+    UPSTREAM_STATUS = "upstream_status"
+    ATTESTATION = "attestation"
+    #: A POST to a generation route without the API token (JSON 401).
+    UNAUTHORIZED = "unauthorized"
+    #: An ``Upgrade`` on an admitted path (400).
+    UPGRADE_REFUSED = "upgrade_refused"
+    #: QoS: a slot, a short wait or a 429, then forwarding.
+    ADMITTED = "admitted"
+    FORWARD = "forward"
+
+
+_OWN = {
+    "/healthz": Route.HEALTH,
+    "/pig/metrics": Route.METRICS,
+    "/v1/metrics": Route.ALL_METRICS,
+    "/v1/upstream-status": Route.UPSTREAM_STATUS,
+    ATTESTATION_ROUTE: Route.ATTESTATION,
+}
+
+
+@attrs.frozen
+class Routes:
+    """The routes the settings declare, and the rule that picks one for a request."""
+
+    #: ``PIG_ADMITTED_PATHS``: POSTs here go through admission.
+    admitted: PathPolicy
+    #: ``API_AUTH_PATHS``: with ``api_auth``, POSTs here need the token.
+    auth: PathPolicy
+    api_auth: bool
+    #: ``PIG_FORWARD_PATHS``: None forwards every other path (PIG).
+    forward: frozenset[str] | None
+    known_routes: frozenset[str]
+    known_keys: frozenset[str]
+    suffix_keys: tuple[str, ...]
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        admitted: PathPolicy,
+        auth: PathPolicy,
+        api_auth: bool,
+        forward: Sequence[str] = (),
+    ) -> Routes:
+        known = (*OWN_ROUTES, ATTESTATION_ROUTE, *admitted.paths, *auth.paths, *forward)
+        suffix_keys = (
+            tuple(sorted({route_key(r) for r in (*admitted.paths, *auth.paths)}))
+            if admitted.suffix_match
+            else ()
+        )
+        return cls(
+            admitted=admitted,
+            auth=auth,
+            api_auth=api_auth,
+            forward=frozenset(forward) or None,
+            known_routes=frozenset(known),
+            known_keys=frozenset(route_key(route) for route in known),
+            suffix_keys=suffix_keys,
+        )
+
+    def lookalike(self, path: str) -> bool:
+        """A case or trailing-slash variant of a route the guard knows, which a lenient backend
+        could serve as that route while the guard's checks would not apply."""
+        if path in self.known_routes:
+            return False
+        key = route_key(path)
+        if key in self.known_keys:
+            return True
+        if self.suffix_keys and any(key.endswith(k) for k in self.suffix_keys):
+            return not (self.admitted.matches(path) or self.auth.matches(path))
+        return False
+
+    def route(self, method: bytes, path: str | None, *, upgrade: bool, authorized: bool) -> Route:
+        """The route of a request to ``path`` (from :func:`route_path`); ``authorized``: it
+        carries the token; ``upgrade``: it asks for a protocol upgrade."""
+        if path is None or self.lookalike(path):
+            return Route.NOT_FOUND
+        own = _OWN.get(path)
+        if own is not None:
+            return own
+        admitted = method == b"POST" and self.admitted.matches(path)
+        if method == b"POST" and self.api_auth and self.auth.matches(path) and not authorized:
+            return Route.UNAUTHORIZED
+        if upgrade and admitted:
+            return Route.UPGRADE_REFUSED
+        if admitted:
+            return Route.ADMITTED
+        if self.forward is not None and path not in self.forward:
+            return Route.NOT_FOUND
+        return Route.FORWARD
+
+    def needs_token(self, method: bytes, path: str) -> bool:
+        """Whether :meth:`route` would ask for the token for this request."""
+        return method == b"POST" and self.api_auth and self.auth.matches(path)
+
+
+# -- the token ---------------------------------------------------------------------------------
+
+
+def token_digest(token: str) -> bytes | None:
+    """The digest :func:`token_matches` compares with (None: no token configured)."""
+    return hashlib.sha256(b"Bearer " + token.encode()).digest() if token else None
+
+
+def token_matches(headers: Headers, expected: bytes | None) -> bool:
+    """Exactly one Authorization header, equal in constant time to ``Bearer <TOKEN>``."""
+    values = header_values(headers, b"authorization")
+    if expected is None or len(values) != 1:
+        return False
+    return hmac.compare_digest(hashlib.sha256(values[0]).digest(), expected)
+
+
+# -- headers -----------------------------------------------------------------------------------
+
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"proxy-connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_SSE_DEFAULTS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
+
+
+def header_values(headers: Headers, name: bytes) -> list[bytes]:
+    return [value for key, value in headers if key == name]
+
+
+def first_header(headers: Headers, name: bytes) -> bytes | None:
+    return next((value for key, value in headers if key == name), None)
+
+
+def hop_by_hop(headers: Headers) -> frozenset[bytes]:
+    """The standard hop-by-hop headers and those ``Connection`` names."""
+    named = {
+        token.strip().lower()
+        for name, value in headers
+        if name == b"connection"
+        for token in value.split(b",")
+    }
+    return _HOP_BY_HOP | named
+
+
+def content_length(headers: Headers) -> int | None:
+    """The one declared body length, or None (none, several, chunked, not a number)."""
+    values = header_values(headers, b"content-length")
+    if len(values) != 1 or header_values(headers, b"transfer-encoding"):
+        return None
+    try:
+        value = int(values[0])
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def is_chunked(headers: Headers) -> bool:
+    """The body is chunked (h11 already refused any other transfer coding)."""
+    return any(
+        name == b"transfer-encoding" and value.strip().lower() == b"chunked"
+        for name, value in headers
+    )
+
+
+def without_length(headers: Headers) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in headers if k != b"content-length"]
+
+
+def with_sse_defaults(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """An event stream tells caches and buffering proxies (nginx) to pass it on at once."""
+    names = {name for name, _ in headers}
+    extra = [pair for pair in _SSE_DEFAULTS if pair[0] not in names]
+    return [*headers, *extra] if extra else headers
+
+
+def upstream_headers(
+    headers: Headers,
+    *,
+    authority: bytes,
+    backend: bytes,
+    peer: bytes,
+    tier: Tier | None,
+    lane: Lane,
+    body_length: int | None,
+    output_tokens: int | None = None,
+) -> list[tuple[bytes, bytes]]:
+    """The request head's headers as the backend gets them (see the module rules)."""
+    hops = hop_by_hop(headers)
+    drop = hops | {b"host", b"content-length", b"x-forwarded-for", b"expect"}
+    out = [
+        (name, value)
+        for name, value in headers
+        if name not in drop and not name.startswith(b"x-pig-")
+    ]
+    out.insert(0, (b"host", authority))
+    # A client that names X-Forwarded-For in Connection asks for its value to be dropped at this
+    # hop: only the socket peer remains (as Go's reverse proxy does).
+    client_chain = [] if b"x-forwarded-for" in hops else header_values(headers, b"x-forwarded-for")
+    out.append((b"x-forwarded-for", b", ".join([*client_chain, peer])))
+    out.append((b"x-pig-backend", backend))
+    if tier is not None:
+        out.append((b"x-pig-tier", str(tier).encode()))
+        out.append((b"x-pig-lane", str(lane).encode()))
+        if output_tokens is not None:
+            out.append((b"x-pig-output-tokens", str(output_tokens).encode()))
+    if body_length is not None:
+        out.append((b"content-length", str(body_length).encode()))
+    else:
+        out.append((b"transfer-encoding", b"chunked"))
+    return out
+
+
+# -- load and refusals -------------------------------------------------------------------------
+
+
+def low_load(gate: GateState, *, dynamic: bool) -> bool:
+    """PIG's gate for SSE keep-alive and the early bridge: quiet backend, empty queue."""
+    if not dynamic:
+        return True
+    decision = gate.decision
+    return (
+        decision.source is DecisionSource.METRICS
+        and decision.state is LoadState.GREEN
+        and decision.waiting == 0
+        and decision.backend_failed == 0
+        and decision.kv_usage < 0.70
+        and gate.waiting == 0
+    )
+
+
+@attrs.frozen
+class RefusalCounts:
+    """The counters one refusal moves (PIG's reject accounting, spec 4.4)."""
+
+    #: ``pig_queue_timeout_total``: it waited first.
+    queue_timeout: bool
+    #: The predictive learner's count by the constraint that refused it.
+    binding: Binding | None
+    #: ``pig_backend_unavailable_total`` (and nothing else).
+    backend_unavailable: bool
+    #: ``pig_rejected_total`` and the tier's rejects (None: not counted there).
+    tier: Tier | None
+    #: The lane whose rejects count it (the global lane for the global limit).
+    lane: Lane | None
+
+
+def refusal_counts(
+    tier: Tier, lane: Lane, code: RejectCode, *, waited: bool, binding: Binding | None = None
+) -> RefusalCounts:
+    if code is RejectCode.BACKEND_UNAVAILABLE:
+        return RefusalCounts(waited, binding, True, None, None)
+    counted = Lane.GLOBAL if code is RejectCode.GLOBAL_LIMIT else lane
+    return RefusalCounts(waited, binding, False, tier, counted)
