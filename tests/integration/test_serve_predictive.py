@@ -245,7 +245,7 @@ async def test_a_live_predictive_recording_replays_to_the_same_decisions(
     )
     path = tmp_path / "live.jsonl.gz"
     recorder = Recorder(path, config=settings.redacted(), producer="test")
-    server = GuardServer(settings, observer=recorder, on_poll=recorder.poll)
+    server = GuardServer(settings, on_event=recorder.event, on_poll=recorder.poll)
     host, port = await nursery.start(server.serve)
     guard = f"http://{host}:{port}"
     with trio.fail_after(10):
