@@ -23,9 +23,10 @@ import gzip
 import io
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, ClassVar
+from typing import IO, Any, ClassVar, get_args
 
 import attrs
 import cattrs
@@ -34,16 +35,7 @@ from cattrs.strategies import configure_tagged_union
 
 from guard_adapters import recording_v1
 from guard_adapters._errors import AdapterError
-from guard_core import (
-    Abandoned,
-    Arrived,
-    Finished,
-    FirstToken,
-    Forwarded,
-    Refused,
-    RequestEvent,
-    Retried,
-)
+from guard_core import Refused, RequestEvent
 
 __all__ = (
     "FORMAT",
@@ -164,17 +156,15 @@ class Decision:
 
 Record = Scrape | ScrapeFailed | Decision | RequestEvent
 
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+#: A poll record's kind is its ``KIND``; a request event's, its class's name in snake case.
 _KIND_OF: dict[type, str] = {
-    Scrape: Scrape.KIND,
-    ScrapeFailed: ScrapeFailed.KIND,
-    Decision: Decision.KIND,
-    Arrived: "arrived",
-    Retried: "retried",
-    Abandoned: "abandoned",
-    Forwarded: "forwarded",
-    Refused: "refused",
-    FirstToken: "first_token",
-    Finished: "finished",
+    **{cls: cls.KIND for cls in (Scrape, ScrapeFailed, Decision)},
+    **{cls: _snake_case(cls.__name__) for cls in get_args(RequestEvent)},
 }
 _KINDS = frozenset(_KIND_OF.values())
 #: The kinds the recordings of versions 1 and 2 share with the current one.
@@ -234,7 +224,7 @@ def decode_line(
         raise RecordingError(line_no, "missing or non-numeric 'at'", source=source)
     try:
         if legacy:
-            return recording_v1.read_request(payload)
+            payload = recording_v1.translate(payload)
         return _converter.structure(payload, Record)  # type: ignore[arg-type]
     except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
         raise RecordingError(

@@ -37,11 +37,17 @@ __all__ = (
 
 
 @attrs.frozen(kw_only=True)
-class Arrived:
-    """A request on an admitted path asks for a slot."""
+class _Event:
+    """What every request event carries: when, and which request."""
 
     at: float
     request_id: int
+
+
+@attrs.frozen(kw_only=True)
+class Arrived(_Event):
+    """A request on an admitted path asks for a slot."""
+
     tier: Tier
     #: The body's size (its ``Content-Length``), the predictive learner's prompt estimate.
     body_bytes: int | None = None
@@ -50,60 +56,45 @@ class Arrived:
 
 
 @attrs.frozen(kw_only=True)
-class Retried:
+class Retried(_Event):
     """A waiting request tries again (a wake-up, its fallback re-check or its deadline)."""
 
-    at: float
-    request_id: int
-
 
 @attrs.frozen(kw_only=True)
-class Abandoned:
+class Abandoned(_Event):
     """A waiting request's client left; it leaves the queue without an outcome."""
 
-    at: float
-    request_id: int
-
 
 @attrs.frozen(kw_only=True)
-class Forwarded:
+class Forwarded(_Event):
     """An admitted request was sent to a backend: its prefill grace starts now."""
 
-    at: float
-    request_id: int
-
 
 @attrs.frozen(kw_only=True)
-class Refused:
+class Refused(_Event):
     """The client was refused (a 429 or a 503), for ``code``.
 
     Under the predictive learner the refusal also says the ``Retry-After`` it predicted and the
     constraint that refused it (``binding``; ``none`` when the gate's own rules did).
     """
 
-    at: float
-    request_id: int
     code: RejectCode | None = None
     retry_after_s: int | None = None
     binding: Binding | None = None
 
 
 @attrs.frozen(kw_only=True)
-class FirstToken:
+class FirstToken(_Event):
     """A forwarded stream delivered its first useful token, ``seconds`` after it arrived."""
 
-    at: float
-    request_id: int
     seconds: float
 
 
 @attrs.frozen(kw_only=True)
-class Finished:
+class Finished(_Event):
     """A forwarded request ended, any way at all; ``status`` is what the client got (499: it
     left, 0: unknown)."""
 
-    at: float
-    request_id: int
     status: int = 0
 
 
