@@ -18,12 +18,13 @@ Guarantees:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from guard_core import gate as gate_rules
 from guard_core import predictive as predictive_rules
+from guard_core._values import replace
 from guard_core.decision import Admission, Admitted, Queued, RejectCode, Rejected
 from guard_core.evaluation import observe_first_token
 from guard_core.events import (
@@ -62,13 +63,17 @@ class Tracked:
     forwarded: bool = False
 
 
-def _with(state: GuardState, request_id: int, tracked: Tracked | None) -> GuardState:
+def _with(
+    state: GuardState, request_id: int, tracked: Tracked | None, **changes: Any
+) -> GuardState:
+    """``state`` with the request filed as ``tracked`` (or forgotten) and ``changes``: one
+    copy of the state per event."""
     requests = dict(state.requests)
     if tracked is None:
         requests.pop(request_id, None)
     else:
         requests[request_id] = tracked
-    return attrs.evolve(state, requests=requests)
+    return replace(state, requests=requests, **changes)
 
 
 # -- attempts ----------------------------------------------------------------------------------
@@ -126,7 +131,7 @@ def _attempt(
     outcome = step.outcome
     learner = state.learner
     if isinstance(outcome, Rejected) and outcome.code in _DYNAMIC_REJECTS:
-        learner = attrs.evolve(learner, dynamic_rejects=learner.dynamic_rejects + 1)
+        learner = replace(learner, dynamic_rejects=learner.dynamic_rejects + 1)
     model = state.predictive
     verdict = state.verdict
     if model is not None:
@@ -137,13 +142,16 @@ def _attempt(
             if basis is not None:
                 seconds = predictive_rules.retry_after_s(model, basis, at=event.at)
                 outcome = attrs.evolve(outcome, retry_after_s=seconds)
+    unchanged = step.state is state.gate and learner is state.learner and verdict is state.verdict
+    if unchanged and isinstance(outcome, Rejected) and request_id not in state.requests:
+        return state, outcome  # a refusal at once changes nothing: nothing is copied
     filed: Tracked | None = None
     if isinstance(outcome, Admitted):
-        filed = attrs.evolve(tracked, queued=None)
+        filed = replace(tracked, queued=None)
     elif isinstance(outcome, Queued):
-        filed = attrs.evolve(tracked, queued=outcome)
-    state = attrs.evolve(state, gate=step.state, learner=learner, verdict=verdict)
-    return _with(state, request_id, filed), outcome
+        filed = replace(tracked, queued=outcome)
+    state = _with(state, request_id, filed, gate=step.state, learner=learner, verdict=verdict)
+    return state, outcome
 
 
 def _end_wait(state: GuardState, request_id: int, tracked: Tracked, at: float) -> _Step:
@@ -163,7 +171,7 @@ def _forward(state: GuardState, request_id: int, tracked: Tracked, at: float) ->
     """An admitted request starts its prefill grace."""
     learner = state.learner
     deadline = at + grace_s(learner.config, tracked.body_bytes)
-    learner = attrs.evolve(learner, prefill=(*learner.prefill, (request_id, deadline)))
+    learner = replace(learner, prefill=(*learner.prefill, (request_id, deadline)))
     predictive = state.predictive
     if predictive is not None:
         predictive = predictive_rules.forwarded(
@@ -173,33 +181,31 @@ def _forward(state: GuardState, request_id: int, tracked: Tracked, at: float) ->
             at=at,
             premium=tracked.tier is Tier.PREMIUM,
         )
-    state = attrs.evolve(state, learner=learner, predictive=predictive)
-    return _with(state, request_id, attrs.evolve(tracked, forwarded=True))
+    forwarded = replace(tracked, forwarded=True)
+    return _with(state, request_id, forwarded, learner=learner, predictive=predictive)
 
 
 def _finish(state: GuardState, request_id: int, tracked: Tracked, at: float) -> GuardState:
     """The slot goes back and, for a forwarded request, its prefill grace ends: one step."""
     gate = gate_rules.apply(state.gate, gate_rules.SlotReleased(at, tracked.tier)).state
-    state = attrs.evolve(state, gate=gate)
-    if tracked.forwarded:
-        learner = state.learner
-        prefill = tuple(entry for entry in learner.prefill if entry[0] != request_id)
-        predictive = state.predictive
-        if predictive is not None:
-            predictive = predictive_rules.finished(predictive, request_id, at=at)
-        state = attrs.evolve(
-            state, learner=attrs.evolve(learner, prefill=prefill), predictive=predictive
-        )
-    return _with(state, request_id, None)
+    if not tracked.forwarded:
+        return _with(state, request_id, None, gate=gate)
+    learner = state.learner
+    prefill = tuple(entry for entry in learner.prefill if entry[0] != request_id)
+    predictive = state.predictive
+    if predictive is not None:
+        predictive = predictive_rules.finished(predictive, request_id, at=at)
+    learner = replace(learner, prefill=prefill)
+    return _with(state, request_id, None, gate=gate, learner=learner, predictive=predictive)
 
 
 def _first_token(state: GuardState, event: FirstToken) -> GuardState:
     learner = state.learner
     histogram = observe_first_token(learner.semantic_ttft, event.seconds)
-    state = attrs.evolve(state, learner=attrs.evolve(learner, semantic_ttft=histogram))
+    state = replace(state, learner=replace(learner, semantic_ttft=histogram))
     if state.predictive is not None:
         predictive = predictive_rules.first_token(state.predictive, event.request_id, at=event.at)
-        state = attrs.evolve(state, predictive=predictive)
+        state = replace(state, predictive=predictive)
     return state
 
 
@@ -231,7 +237,7 @@ def apply(state: GuardState, event: RequestEvent) -> _Step:
         if queued is None:
             return state, None
         gate = gate_rules.apply(state.gate, gate_rules.WaitAbandoned(event.at, queued)).state
-        return _with(attrs.evolve(state, gate=gate), request_id, None), None
+        return _with(state, request_id, None, gate=gate), None
     if isinstance(event, FirstToken | Finished):
         if queued is not None:
             return state, None  # it never ran
@@ -245,7 +251,7 @@ def apply(state: GuardState, event: RequestEvent) -> _Step:
         return state, outcome
     if not held.forwarded:
         state = _forward(state, request_id, held, event.at)
-        held = attrs.evolve(held, forwarded=True)
     if isinstance(event, Refused):
-        state = _finish(state, request_id, held, event.at)  # admitted here, refused there
+        # Admitted here, refused there: it ends at once (forwarded and finished).
+        state = _finish(state, request_id, state.requests[request_id], event.at)
     return state, outcome

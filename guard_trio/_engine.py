@@ -54,7 +54,7 @@ from guard_core import (
     next_check_at,
 )
 
-__all__ = ("AdmissionResult", "GuardEngine", "RequestListener", "Slot")
+__all__ = ("AdmissionResult", "Attempt", "GuardEngine", "RequestListener", "Slot")
 
 #: Told every request event the engine applied, in order (the recorder's ``event``).
 RequestListener = Callable[[RequestEvent], None]
@@ -106,6 +106,19 @@ class AdmissionResult:
     binding: Binding | None = None
 
 
+@attrs.define(eq=False)
+class Attempt:
+    """One request's admission in progress: its outcome so far and, once settled, its result."""
+
+    request_id: int
+    tier: Tier
+    arrived: float
+    body_bytes: int | None
+    outcome: object
+    binding: Binding | None
+    result: AdmissionResult | None = None
+
+
 class GuardEngine:
     """Owns the :class:`~guard_core.GuardState`; see the module rules."""
 
@@ -142,33 +155,65 @@ class GuardEngine:
 
     # -- admission -----------------------------------------------------------------------------
 
-    async def admit(
-        self, tier: Tier, *, path: str = "", body_bytes: int | None = None
-    ) -> AdmissionResult:
-        """Ask for a slot; may wait briefly. Cancellation while waiting leaves the queue cleanly."""
+    def begin(self, tier: Tier, *, path: str = "", body_bytes: int | None = None) -> Attempt:
+        """Ask for a slot now, without waiting: the attempt is applied once, and comes back
+        settled (a slot or a refusal) unless it was queued; :meth:`settle` finishes it."""
         request_id = next(self._ids)
         arrived = self._at()
         outcome, binding = self._attempt(
             Arrived(at=arrived, request_id=request_id, tier=tier, body_bytes=body_bytes, path=path)
         )
-        while isinstance(outcome, Queued):
-            queued = outcome
+        attempt = Attempt(request_id, tier, arrived, body_bytes, outcome, binding)
+        if not isinstance(outcome, Queued):
+            self._conclude(attempt)
+        return attempt
+
+    async def admit(
+        self, tier: Tier, *, path: str = "", body_bytes: int | None = None
+    ) -> AdmissionResult:
+        """Ask for a slot; may wait briefly. Cancellation while waiting leaves the queue cleanly."""
+        return await self.settle(self.begin(tier, path=path, body_bytes=body_bytes))
+
+    async def settle(self, attempt: Attempt) -> AdmissionResult:
+        """Wait out a queued attempt (at once for a settled one)."""
+        while attempt.result is None:
+            queued = attempt.outcome
+            assert isinstance(queued, Queued)
             wake = self._wake
             check_at = next_check_at(queued, now=self._at(), config=self.state.config.gate)
             try:
                 with trio.move_on_at(self._origin + check_at):
                     await wake.wait()
             except trio.Cancelled:
-                self._apply(Abandoned(at=self._at(), request_id=request_id))
+                self.abandon(attempt)
                 raise
-            outcome, binding = self._attempt(Retried(at=self._at(), request_id=request_id))
+            retried = Retried(at=self._at(), request_id=attempt.request_id)
+            attempt.outcome, attempt.binding = self._attempt(retried)
+            if not isinstance(attempt.outcome, Queued):
+                self._conclude(attempt)
+        return attempt.result
+
+    def abandon(self, attempt: Attempt) -> None:
+        """An attempt nobody will settle or serve (its client left): leave the queue, or give
+        the slot back. Safe to call more than once."""
+        if attempt.result is None:
+            at = self._at()
+            self._apply(Abandoned(at=at, request_id=attempt.request_id))
+            attempt.result = AdmissionResult(None, None, at - attempt.arrived)
+        elif attempt.result.slot is not None:
+            attempt.result.slot.release(0)
+
+    def _conclude(self, attempt: Attempt) -> None:
         at = self._at()
-        waited = at - arrived
+        waited = at - attempt.arrived
+        outcome = attempt.outcome
+        request_id = attempt.request_id
         if isinstance(outcome, Admitted):
             # Accepted: its prefill grace starts now (the same instant a replay will use).
             self._apply(Forwarded(at=at, request_id=request_id))
-            slot = Slot(self, request_id, tier, arrived_at=arrived)
-            return AdmissionResult(slot, None, waited)
+            slot = Slot(self, request_id, attempt.tier, arrived_at=attempt.arrived)
+            attempt.result = AdmissionResult(slot, None, waited)
+            return
         assert isinstance(outcome, Rejected)
         retry_after_s = outcome.retry_after_s
         self._apply(
@@ -177,10 +222,10 @@ class GuardEngine:
                 request_id=request_id,
                 code=outcome.code,
                 retry_after_s=retry_after_s,
-                binding=binding,
+                binding=attempt.binding,
             )
         )
-        return AdmissionResult(None, outcome.code, waited, retry_after_s, binding)
+        attempt.result = AdmissionResult(None, outcome.code, waited, retry_after_s, attempt.binding)
 
     def _attempt(self, event: Arrived | Retried) -> tuple[object, Binding | None]:
         """Apply an attempt: its outcome and, for a refusal under the predictive learner, the
