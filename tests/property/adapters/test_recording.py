@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -42,6 +41,7 @@ from guard_core import (
     Retried,
     Tier,
 )
+from tests.load_tool import load_tool
 
 ROOT = Path(__file__).parents[3]
 EXAMPLE = ROOT / "tests/fixtures/recordings/example-vllm-overload.jsonl.gz"
@@ -214,13 +214,7 @@ def test_the_example_tool_writes_the_events_the_version_1_example_reads_as(
 ) -> None:
     """tools/make_example_recording.py, run today, writes the example in the current format:
     line for line the same events as the committed version-1 file reads as."""
-    spec = importlib.util.spec_from_file_location(
-        "make_example_recording", ROOT / "tools/make_example_recording.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("make_example_recording")
     out = tmp_path / "example.jsonl.gz"
     tool.OUT = out  # type: ignore[attr-defined]
     tool.ROOT = tmp_path  # type: ignore[attr-defined]

@@ -19,31 +19,11 @@ import attrs
 from hypothesis import given
 from hypothesis import strategies as st
 
-from guard_core import (
-    Abandoned,
-    Arrived,
-    DecisionPublished,
-    DecisionSource,
-    Finished,
-    FirstToken,
-    Forwarded,
-    GateConfig,
-    GuardConfig,
-    GuardEvent,
-    GuardState,
-    LimitReason,
-    LoadState,
-    PredictiveConfig,
-    PublishedDecision,
-    Refused,
-    RejectCode,
-    Retried,
-    Tier,
-    apply_gate_event,
-    apply_guard_event,
-    fold,
-)
-from guard_core.gate import SlotReleased
+import guard_core as core
+from guard_core.events import Abandoned, Arrived, Finished, FirstToken, Forwarded, Refused, Retried
+from guard_core.gate import DecisionPublished, SlotReleased
+from guard_core.guard import GuardConfig, GuardEvent, GuardState, fold
+from guard_core.guard import apply as apply_guard_event
 
 IDS = st.integers(1, 6)
 
@@ -51,9 +31,9 @@ IDS = st.integers(1, 6)
 def configs() -> st.SearchStrategy[GuardConfig]:
     return st.builds(
         lambda limit, dynamic, wait, predictive: GuardConfig(
-            gate=GateConfig(global_limit=limit, dynamic=dynamic, queue_wait_s=wait),
+            gate=core.GateConfig(global_limit=limit, dynamic=dynamic, queue_wait_s=wait),
             learning=False,
-            predictive=PredictiveConfig() if predictive else None,
+            predictive=core.PredictiveConfig() if predictive else None,
         ),
         st.integers(0, 5),
         st.booleans(),
@@ -64,12 +44,12 @@ def configs() -> st.SearchStrategy[GuardConfig]:
 
 def _published(at: float, cap: int) -> DecisionPublished:
     return DecisionPublished(
-        PublishedDecision(
+        core.PublishedDecision(
             at=at,
-            source=DecisionSource.METRICS,
+            source=core.DecisionSource.METRICS,
             cap=cap,
-            state=LoadState.GREEN,
-            final_reason=LimitReason.THROUGHPUT,
+            state=core.LoadState.GREEN,
+            final_reason=core.LimitReason.THROUGHPUT,
             backend_count=1,
         )
     )
@@ -86,7 +66,7 @@ def streams(draw: st.DrawFn) -> list[GuardEvent]:
         kind = draw(st.integers(0, 8))
         event: GuardEvent
         if kind == 0:
-            tier = draw(st.sampled_from(Tier))
+            tier = draw(st.sampled_from(core.Tier))
             body = draw(st.none() | st.integers(0, 200_000))
             event = Arrived(at=at, request_id=rid, tier=tier, body_bytes=body)
         elif kind == 1:
@@ -96,7 +76,7 @@ def streams(draw: st.DrawFn) -> list[GuardEvent]:
         elif kind == 3:
             event = Forwarded(at=at, request_id=rid)
         elif kind == 4:
-            event = Refused(at=at, request_id=rid, code=RejectCode.GLOBAL_DYNAMIC_LIMIT)
+            event = Refused(at=at, request_id=rid, code=core.RejectCode.GLOBAL_DYNAMIC_LIMIT)
         elif kind == 5:
             event = FirstToken(at=at, request_id=rid, seconds=draw(st.floats(0, 10)))
         elif kind == 6:
@@ -112,10 +92,10 @@ def check(state: GuardState) -> None:
     gate = state.gate
     held = {rid: t for rid, t in state.requests.items() if t.queued is None}
     waiting = [t for t in state.requests.values() if t.queued is not None]
-    assert gate.premium_inflight == sum(t.tier is Tier.PREMIUM for t in held.values())
-    assert gate.basic_inflight == sum(t.tier is Tier.BASIC for t in held.values())
-    assert gate.premium_waiting == sum(t.tier is Tier.PREMIUM for t in waiting)
-    assert gate.basic_waiting == sum(t.tier is Tier.BASIC for t in waiting)
+    assert gate.premium_inflight == sum(t.tier is core.Tier.PREMIUM for t in held.values())
+    assert gate.basic_inflight == sum(t.tier is core.Tier.BASIC for t in held.values())
+    assert gate.premium_waiting == sum(t.tier is core.Tier.PREMIUM for t in waiting)
+    assert gate.basic_waiting == sum(t.tier is core.Tier.BASIC for t in waiting)
     assert gate.inflight <= gate.config.global_limit
     forwarded = sorted(rid for rid, t in held.items() if t.forwarded)
     assert sorted(rid for rid, _ in state.learner.prefill) == forwarded
@@ -169,9 +149,9 @@ def test_the_same_events_fold_to_the_same_state(
     assert fold(start, []) is start
 
 
-@given(configs(), streams(), st.sampled_from(Tier), st.integers(0, 100_000))
+@given(configs(), streams(), st.sampled_from(core.Tier), st.integers(0, 100_000))
 def test_finished_is_the_release_and_the_prefill_end_in_one_step(
-    config: GuardConfig, events: list[GuardEvent], tier: Tier, body: int
+    config: GuardConfig, events: list[GuardEvent], tier: core.Tier, body: int
 ) -> None:
     at = events[-1].at if events else 0.0
     state = fold(GuardState.initial(config, at=0.0), events)
@@ -186,7 +166,7 @@ def test_finished_is_the_release_and_the_prefill_end_in_one_step(
     assert rid in {r for r, _ in forwarded.learner.prefill}
     finished = apply_guard_event(forwarded, Finished(at=at + 1, request_id=rid)).state
     # What the engine used to send as two events, and the table forgetting the request.
-    released = apply_gate_event(forwarded.gate, SlotReleased(at + 1, tier)).state
+    released = core.apply_gate_event(forwarded.gate, SlotReleased(at + 1, tier)).state
     assert finished.gate == released
     assert finished.learner == attrs.evolve(
         forwarded.learner,
