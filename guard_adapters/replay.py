@@ -14,8 +14,8 @@ Guarantees:
 - the predictive learner (``DYNAMIC_POLICY=predictive``) is replayed from the same records: an
   arrival's ``body_bytes`` is its prompt estimate and a first token names its request, as they
   did live. Each poll then carries the learner's explanation of its cap, compared with the
-  recorded one when the recording has it (version 2), and each refusal its predicted
-  ``Retry-After`` and binding constraint, compared with the recorded outcome likewise; a
+  recorded one when the recording has it (from version 2), and each refusal its predicted
+  ``Retry-After`` and binding constraint, compared with the recorded refusal likewise; a
   version-1 recording has neither and replays as before.
 """
 
