@@ -19,11 +19,14 @@ from pathlib import Path
 from guard_adapters.metrics import parse_metrics
 from guard_core import (
     Admitted,
+    Arrived,
     BackendPoll,
     BackendSample,
     DecisionPublished,
-    FirstTokenObserved,
+    Finished,
+    FirstToken,
     Flavour,
+    Forwarded,
     GateConfig,
     GateState,
     GateView,
@@ -34,8 +37,6 @@ from guard_core import (
     MetricsPolled,
     PolicyConfig,
     PredictiveConfig,
-    PrefillEnded,
-    PrefillStarted,
     PublishedDecision,
     SlotReleased,
     SlotRequested,
@@ -110,11 +111,12 @@ def _predictive_guard() -> tuple[GuardState, float]:
         polled = MetricsPolled(at, (BackendPoll(name="b", sample=sample),))
         state = apply_guard_event(state, polled).state
     for rid in range(20):
-        step = apply_guard_event(state, SlotRequested(at, Tier.BASIC, body_bytes=2000))
+        arrived = Arrived(at=at, request_id=rid, tier=Tier.BASIC, body_bytes=2000)
+        step = apply_guard_event(state, arrived)
         if not isinstance(step.outcome, Admitted):
             break
-        state = apply_guard_event(step.state, PrefillStarted(at, rid, 2000)).state
-        state = apply_guard_event(state, FirstTokenObserved(at, 0.2, request_id=rid)).state
+        state = apply_guard_event(step.state, Forwarded(at=at, request_id=rid)).state
+        state = apply_guard_event(state, FirstToken(at=at, request_id=rid, seconds=0.2)).state
     return state, at
 
 
@@ -122,11 +124,10 @@ def predictive_admission() -> float:
     """One predictive admission and its end: attempt, forward, first token, release."""
     state, at = _predictive_guard()
     events = (
-        SlotRequested(at, Tier.PREMIUM, body_bytes=2000),
-        PrefillStarted(at, 10_000, 2000, tier=Tier.PREMIUM),
-        FirstTokenObserved(at, 0.2, request_id=10_000),
-        SlotReleased(at, Tier.PREMIUM),
-        PrefillEnded(at, 10_000),
+        Arrived(at=at, request_id=10_000, tier=Tier.PREMIUM, body_bytes=2000),
+        Forwarded(at=at, request_id=10_000),
+        FirstToken(at=at, request_id=10_000, seconds=0.2),
+        Finished(at=at, request_id=10_000),
     )
 
     assert isinstance(apply_guard_event(state, events[0]).outcome, Admitted)

@@ -4,14 +4,17 @@ Reads: lines of a recording (plain or gzip-compressed JSON Lines) and record val
 Guarantees:
 - the first line is a :class:`Header` naming the format and its version; every later line is
   one record with ``at`` (seconds since the start of the run, monotonic) and ``kind``;
+- a request line is a :mod:`guard_core.events` value (the very event the engine applied),
+  serialised by cattrs with its class's name in snake case as ``kind``; reading gives back an
+  equal value;
 - a line that is not valid JSON, not an object, has an unknown ``kind`` or a field of the wrong
   type is reported as a :class:`RecordingError` with its line number (1-based) and the reason;
   nothing else is raised while reading;
 - writing never includes secrets: the header's config is whatever the caller passes, and
   :func:`redact` removes the variables that hold tokens or credentials;
-- version 2 only adds optional fields (the predictive learner's explanation on ``decision``,
-  the predicted ``Retry-After`` and the binding constraint on ``outcome``), so a version-1
-  recording reads, and replays, exactly as before.
+- a recording of version 1 or 2 (whose request lines were records of their own, see
+  :mod:`guard_adapters.recording_v1`) reads as the same request events, so it replays exactly
+  as before; its ``scrape``, ``scrape_failed`` and ``decision`` lines are today's.
 """
 
 from __future__ import annotations
@@ -20,31 +23,28 @@ import gzip
 import io
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, ClassVar
+from typing import IO, Any, ClassVar, get_args
 
 import attrs
 import cattrs
 from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.strategies import configure_tagged_union
 
+from guard_adapters import recording_v1
 from guard_adapters._errors import AdapterError
+from guard_core import Refused, RequestEvent
 
 __all__ = (
     "FORMAT",
     "VERSION",
-    "Arrival",
-    "Completion",
     "Decision",
     "Explanation",
-    "FirstToken",
-    "Gone",
     "Header",
-    "Outcome",
     "Record",
     "RecordingError",
-    "Retry",
     "Scrape",
     "ScrapeFailed",
     "decode_line",
@@ -57,7 +57,7 @@ __all__ = (
 )
 
 FORMAT = "inference-guard-recording"
-VERSION = 2
+VERSION = 3
 
 #: Environment variables whose values never go into a recording.
 SECRET_VARIABLES = frozenset(
@@ -115,75 +115,6 @@ class ScrapeFailed:
 
 
 @attrs.frozen(kw_only=True)
-class Arrival:
-    """An admitted-path request asked for a slot."""
-
-    KIND: ClassVar[str] = "arrival"
-    at: float
-    id: int
-    tier: str
-    path: str = ""
-    body_bytes: int | None = None
-
-
-@attrs.frozen(kw_only=True)
-class Retry:
-    """A waiting request tried again."""
-
-    KIND: ClassVar[str] = "retry"
-    at: float
-    id: int
-
-
-@attrs.frozen(kw_only=True)
-class Gone:
-    """A waiting request's client left."""
-
-    KIND: ClassVar[str] = "gone"
-    at: float
-    id: int
-
-
-@attrs.frozen(kw_only=True)
-class Outcome:
-    """How an attempt ended: ``forwarded`` or ``rejected`` (with the internal code).
-
-    Under the predictive learner a refusal also says the ``Retry-After`` it predicted and the
-    constraint that refused it (``binding``: ``predicted_speed``, ``predicted_ttft``,
-    ``predicted_kv``, or ``none`` when the gate's own rules did); version 2.
-    """
-
-    KIND: ClassVar[str] = "outcome"
-    at: float
-    id: int
-    outcome: str
-    code: str | None = None
-    waited_s: float = 0.0
-    retry_after_s: int | None = None
-    binding: str | None = None
-
-
-@attrs.frozen(kw_only=True)
-class FirstToken:
-    """A streamed response's first useful token, ``seconds`` after the request arrived."""
-
-    KIND: ClassVar[str] = "first_token"
-    at: float
-    id: int
-    seconds: float
-
-
-@attrs.frozen(kw_only=True)
-class Completion:
-    """A forwarded request finished; ``status`` is what the client got (499: client left)."""
-
-    KIND: ClassVar[str] = "completion"
-    at: float
-    id: int
-    status: int = 0
-
-
-@attrs.frozen(kw_only=True)
 class Explanation:
     """The predictive learner's reasons for a cap: its predictions and the fit behind them.
 
@@ -208,7 +139,8 @@ class Explanation:
 
 @attrs.frozen(kw_only=True)
 class Decision:
-    """What the guard published after poll ``poll``; with the predictive learner, why (v2)."""
+    """What the guard published after poll ``poll``; with the predictive learner, why (from
+    version 2)."""
 
     KIND: ClassVar[str] = "decision"
     at: float
@@ -222,38 +154,29 @@ class Decision:
     predicted: Explanation | None = None
 
 
-Record = (
-    Scrape | ScrapeFailed | Arrival | Retry | Gone | Outcome | FirstToken | Completion | Decision
-)
+Record = Scrape | ScrapeFailed | Decision | RequestEvent
 
-_KINDS = frozenset(
-    cls.KIND
-    for cls in (
-        Scrape,
-        ScrapeFailed,
-        Arrival,
-        Retry,
-        Gone,
-        Outcome,
-        FirstToken,
-        Completion,
-        Decision,
-    )
-)
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+#: A poll record's kind is its ``KIND``; a request event's, its class's name in snake case.
+_KIND_OF: dict[type, str] = {
+    **{cls: cls.KIND for cls in (Scrape, ScrapeFailed, Decision)},
+    **{cls: _snake_case(cls.__name__) for cls in get_args(RequestEvent)},
+}
+_KINDS = frozenset(_KIND_OF.values())
+#: The kinds the recordings of versions 1 and 2 share with the current one.
+_POLL_KINDS = frozenset({Scrape.KIND, ScrapeFailed.KIND, Decision.KIND})
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
-
-def _kind_of(cls: type) -> str:
-    kind: str = getattr(cls, "KIND")  # noqa: B009 - a ClassVar of every record class
-    return kind
-
-
-# Fields added in version 2 are written only when set, so a PIG-learner recording keeps the
-# lines it had in version 1.
+# Optional fields are written only when set: a refusal under PIG's learner has no predicted
+# Retry-After, and a decision no explanation.
 _converter.register_unstructure_hook(
-    Outcome,
+    Refused,
     make_dict_unstructure_fn(
-        Outcome,
+        Refused,
         _converter,
         retry_after_s=override(omit_if_default=True),
         binding=override(omit_if_default=True),
@@ -263,7 +186,7 @@ _converter.register_unstructure_hook(
     Decision,
     make_dict_unstructure_fn(Decision, _converter, predicted=override(omit_if_default=True)),
 )
-configure_tagged_union(Record, _converter, tag_generator=_kind_of, tag_name="kind")
+configure_tagged_union(Record, _converter, tag_generator=_KIND_OF.__getitem__, tag_name="kind")
 
 
 def encode(record: Record | Header) -> bytes:
@@ -275,8 +198,11 @@ def encode(record: Record | Header) -> bytes:
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
-def decode_line(line: bytes | str, *, line_no: int, source: str = "") -> Record | Header:
-    """Parse one line; raise :class:`RecordingError` naming the line when it is unusable."""
+def decode_line(
+    line: bytes | str, *, line_no: int, source: str = "", version: int = VERSION
+) -> Record | Header:
+    """Parse one line of a recording of ``version``; raise :class:`RecordingError` naming the
+    line when it is unusable."""
     try:
         payload = json.loads(line)
     except ValueError as exc:
@@ -290,12 +216,15 @@ def decode_line(line: bytes | str, *, line_no: int, source: str = "") -> Record 
             return _converter.structure(body, Header)
         except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
             raise RecordingError(line_no, f"bad header: {_describe(exc)}", source=source) from None
-    if kind not in _KINDS:
+    legacy = version < VERSION and kind not in _POLL_KINDS
+    if kind not in (recording_v1.KINDS if legacy else _KINDS):
         raise RecordingError(line_no, f"unknown kind {kind!r}", source=source)
     at = payload.get("at")
     if not isinstance(at, int | float) or isinstance(at, bool) or math.isnan(at):
         raise RecordingError(line_no, "missing or non-numeric 'at'", source=source)
     try:
+        if legacy:
+            payload = recording_v1.translate(payload)
         return _converter.structure(payload, Record)  # type: ignore[arg-type]
     except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
         raise RecordingError(
@@ -312,12 +241,17 @@ def _describe(exc: Exception) -> str:
 def read_records(
     lines: Iterable[bytes | str], *, strict: bool = False, source: str = ""
 ) -> Iterator[Record | Header | RecordingError]:
-    """Decode every line. Errors are yielded (or raised when ``strict``) and reading goes on."""
+    """Decode every line, as the version its header names (the current one until a header
+    says otherwise). Errors are yielded (or raised when ``strict``) and reading goes on."""
+    version = VERSION
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            yield decode_line(line, line_no=line_no, source=source)
+            item = decode_line(line, line_no=line_no, source=source, version=version)
+            if isinstance(item, Header):
+                version = item.version
+            yield item
         except RecordingError as error:
             if strict:
                 raise

@@ -2,18 +2,20 @@
 
 Reads: a recording's records in file order and a :class:`~guard_core.GuardConfig`.
 Guarantees:
-- scrapes are parsed again with the same metrics parser the live guard uses, and request events
-  drive the same gate, so replaying a recording with the settings it was made with reproduces
-  every recorded decision exactly;
-- with other settings the gate may admit what was refused or refuse what was admitted; replay
-  follows its own outcomes: a request it refuses never runs (its first token and completion
-  are ignored), and a request it admits that the recording refused finishes at once;
+- scrapes are parsed again with the same metrics parser the live guard uses, and the recorded
+  request events, the very values the live engine applied, are folded by the same reducer
+  (:func:`guard_core.apply_guard_event`), so replaying a recording with the settings it was
+  made with reproduces every recorded decision exactly;
+- with other settings the gate may admit what was refused or refuse what was admitted; the
+  core then follows its own outcomes (:mod:`guard_core.requests`): a request it refuses never
+  runs (its first token and end are ignored), and a request it admits that the recording
+  refused finishes at once; replay only counts where its outcomes and the recorded ones part;
 - a scrape that no longer parses counts as a failed scrape; nothing here raises on bad data;
 - the predictive learner (``DYNAMIC_POLICY=predictive``) is replayed from the same records: an
   arrival's ``body_bytes`` is its prompt estimate and a first token names its request, as they
   did live. Each poll then carries the learner's explanation of its cap, compared with the
-  recorded one when the recording has it (version 2), and each refusal its predicted
-  ``Retry-After`` and binding constraint, compared with the recorded outcome likewise; a
+  recorded one when the recording has it (from version 2), and each refusal its predicted
+  ``Retry-After`` and binding constraint, compared with the recorded refusal likewise; a
   version-1 recording has neither and replays as before.
 """
 
@@ -36,40 +38,22 @@ from guard_adapters.explain import (
     refusal_binding,
 )
 from guard_adapters.metrics import parse_metrics
-from guard_adapters.recording import (
-    Arrival,
-    Completion,
-    Decision,
-    FirstToken,
-    Gone,
-    Header,
-    Outcome,
-    Record,
-    Retry,
-    Scrape,
-    ScrapeFailed,
-)
+from guard_adapters.recording import Decision, Header, Record, Scrape, ScrapeFailed
 from guard_core import (
     Admitted,
+    Arrived,
     BackendPoll,
-    FirstTokenObserved,
+    Forwarded,
     GuardConfig,
     GuardState,
     MetricsPolled,
     Prediction,
-    PrefillEnded,
-    PrefillStarted,
     PublishedDecision,
-    Queued,
+    Refused,
     Rejected,
-    SlotReleased,
-    SlotRequested,
-    Tier,
-    WaitAbandoned,
-    WaitRetried,
+    RequestEvent,
     apply_guard_event,
 )
-from guard_core.guard import GuardEvent
 
 __all__ = ("ReplayResult", "ReplayedPoll", "replay", "summarise")
 
@@ -155,14 +139,11 @@ class ReplayResult:
     state: GuardState | None = None
 
 
-@attrs.define
-class _Request:
-    tier: Tier
-    body_bytes: int | None
-    queued: Queued | None = None
+@attrs.frozen
+class _Own:
+    """How the replay itself ended one request's attempt, for comparison with the recording."""
+
     admitted: bool = False
-    finished: bool = False
-    prefill_started: bool = False
     #: The replay's refusal: its predicted Retry-After and binding (predictive learner only).
     retry_after_s: int | None = None
     binding: str | None = None
@@ -172,7 +153,7 @@ class _Request:
 class _Replayer:
     state: GuardState
     polls: list[ReplayedPoll] = attrs.field(factory=list)
-    requests: dict[int, _Request] = attrs.field(factory=dict)
+    own: dict[int, _Own] = attrs.field(factory=dict)
     round_at: float | None = None
     round_poll: int | None = None
     round: list[BackendPoll] = attrs.field(factory=list)
@@ -184,27 +165,6 @@ class _Replayer:
     end_at: float = 0.0
     refusals: Counter[str] = attrs.field(factory=Counter)
     differing_outcomes: int = 0
-    #: The binding constraint of the latest refusal :meth:`step` returned.
-    last_binding: str | None = None
-
-    def step(self, event: GuardEvent) -> object:
-        before = self.state
-        result = apply_guard_event(before, event)
-        self.state = result.state
-        if result.decision is not None:
-            assert self.round_poll is not None
-            self.polls.append(
-                ReplayedPoll(
-                    poll=self.round_poll,
-                    decision=result.decision,
-                    prediction=poll_prediction(before, result.state),
-                )
-            )
-        outcome = result.outcome
-        if isinstance(outcome, Rejected) and result.state.predictive is not None:
-            verdict = attempt_prediction(before, result.state)
-            self.last_binding = str(refusal_binding(verdict, before.gate.decision, outcome.code))
-        return outcome
 
     # -- polls ----------------------------------------------------------------------------------
 
@@ -226,8 +186,19 @@ class _Replayer:
     def flush(self) -> None:
         if self.round_at is None:
             return
-        self.step(MetricsPolled(self.round_at, tuple(self.round)))
+        before = self.state
+        step = apply_guard_event(before, MetricsPolled(self.round_at, tuple(self.round)))
+        self.state = step.state
         self.round, self.round_at = [], None
+        if step.decision is not None:
+            assert self.round_poll is not None
+            self.polls.append(
+                ReplayedPoll(
+                    poll=self.round_poll,
+                    decision=step.decision,
+                    prediction=poll_prediction(before, step.state),
+                )
+            )
 
     def decision(self, record: Decision) -> None:
         if self.round_at is not None and self.round_poll == record.poll:
@@ -237,85 +208,47 @@ class _Replayer:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def settle(self, request: _Request, outcome: object) -> None:
+    def request(self, event: RequestEvent) -> None:
+        """Fold one recorded request event; count how the replay's attempts end."""
+        before = self.state
+        step = apply_guard_event(before, event)
+        self.state = step.state
+        request_id = event.request_id
+        if isinstance(event, Arrived) and request_id not in before.requests:
+            self.own[request_id] = _Own()
+        outcome = step.outcome
         if isinstance(outcome, Admitted):
-            request.admitted, request.queued = True, None
             self.admitted += 1
-        elif isinstance(outcome, Queued):
-            request.queued = outcome
+            self.own[request_id] = _Own(admitted=True)
         elif isinstance(outcome, Rejected):
-            request.queued, request.finished = None, True
             self.rejected += 1
-            if self.last_binding is not None:
-                request.retry_after_s, request.binding = outcome.retry_after_s, self.last_binding
-                self.refusals[self.last_binding] += 1
+            if step.state.predictive is not None:
+                verdict = attempt_prediction(before, step.state)
+                binding = str(refusal_binding(verdict, before.gate.decision, outcome.code))
+                self.own[request_id] = _Own(retry_after_s=outcome.retry_after_s, binding=binding)
+                self.refusals[binding] += 1
+        if isinstance(event, Forwarded | Refused):
+            self.compare(event)
 
-    def arrival(self, record: Arrival) -> None:
-        tier = Tier.PREMIUM if record.tier == "premium" else Tier.BASIC
-        request = _Request(tier=tier, body_bytes=record.body_bytes)
-        self.requests[record.id] = request
-        self.settle(request, self.step(SlotRequested(record.at, tier, record.body_bytes)))
-
-    def retry(self, record: Retry) -> None:
-        request = self.requests.get(record.id)
-        if request is None or request.queued is None:
-            return
-        outcome = self.step(WaitRetried(record.at, request.queued))
-        self.settle(request, outcome)
-
-    def gone(self, record: Gone) -> None:
-        request = self.requests.get(record.id)
-        if request is None or request.queued is None:
-            return
-        self.step(WaitAbandoned(record.at, request.queued))
-        request.queued, request.finished = None, True
-
-    def outcome(self, record: Outcome) -> None:
-        forwarded = record.outcome == "forwarded"
+    def compare(self, event: Forwarded | Refused) -> None:
+        """A recorded end of an attempt, against the replay's own end of it."""
+        forwarded = isinstance(event, Forwarded)
         if forwarded:
             self.recorded_forwarded += 1
         else:
             self.recorded_rejected += 1
-        request = self.requests.get(record.id)
-        if request is None:
+        own = self.own.get(event.request_id)
+        if own is None:
             return
-        if request.queued is not None:
-            # Recorded as over while the replay still waits: end the wait now.
-            late = max(record.at, request.queued.deadline)
-            self.settle(request, self.step(WaitRetried(late, request.queued)))
-        if self.outcome_differs(record, request):
+        if isinstance(event, Forwarded) or own.admitted:
+            differs = forwarded != own.admitted
+        else:
+            recorded_binding = None if event.binding is None else str(event.binding)
+            differs = (
+                event.retry_after_s is not None and event.retry_after_s != own.retry_after_s
+            ) or (recorded_binding is not None and recorded_binding != own.binding)
+        if differs:
             self.differing_outcomes += 1
-        if request.admitted and not request.prefill_started and not request.finished:
-            request.prefill_started = True
-            self.step(PrefillStarted(record.at, record.id, request.body_bytes, tier=request.tier))
-            if not forwarded:
-                self.finish(record.id, request, record.at)  # never ran for real
-
-    @staticmethod
-    def outcome_differs(record: Outcome, request: _Request) -> bool:
-        if (record.outcome == "forwarded") != request.admitted:
-            return True
-        if request.admitted:
-            return False
-        return (
-            record.retry_after_s is not None and record.retry_after_s != request.retry_after_s
-        ) or (record.binding is not None and record.binding != request.binding)
-
-    def first_token(self, record: FirstToken) -> None:
-        request = self.requests.get(record.id)
-        if request is not None and request.admitted and not request.finished:
-            self.step(FirstTokenObserved(record.at, record.seconds, request_id=record.id))
-
-    def completion(self, record: Completion) -> None:
-        request = self.requests.get(record.id)
-        if request is not None and request.admitted and not request.finished:
-            self.finish(record.id, request, record.at)
-
-    def finish(self, request_id: int, request: _Request, at: float) -> None:
-        request.finished = True
-        self.step(SlotReleased(at, request.tier))
-        if request.prefill_started:
-            self.step(PrefillEnded(at, request_id))
 
 
 def replay(records: Iterable[Record | Header], config: GuardConfig) -> ReplayResult:
@@ -327,23 +260,11 @@ def replay(records: Iterable[Record | Header], config: GuardConfig) -> ReplayRes
         replayer.end_at = max(replayer.end_at, record.at)
         if isinstance(record, Scrape | ScrapeFailed):
             replayer.scrape(record)
-            continue
-        if isinstance(record, Decision):
+        elif isinstance(record, Decision):
             replayer.decision(record)
-            continue
-        replayer.flush()
-        if isinstance(record, Arrival):
-            replayer.arrival(record)
-        elif isinstance(record, Retry):
-            replayer.retry(record)
-        elif isinstance(record, Gone):
-            replayer.gone(record)
-        elif isinstance(record, Outcome):
-            replayer.outcome(record)
-        elif isinstance(record, FirstToken):
-            replayer.first_token(record)
-        elif isinstance(record, Completion):
-            replayer.completion(record)
+        else:
+            replayer.flush()
+            replayer.request(record)
     replayer.flush()
     return ReplayResult(
         polls=tuple(replayer.polls),

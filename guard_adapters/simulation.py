@@ -7,12 +7,13 @@ profile. Nothing else: no I/O, no clock, no global randomness (tiers come from
 Policies:
 - :class:`NoPolicy` forwards every request;
 - :class:`Static` keeps a counter and refuses a request when ``limit`` are already in flight;
-- :class:`Guard` is ``guard_core`` itself, driven the way the live proxy drives it: every
-  arrival is a ``SlotRequested``; a ``Queued`` request is retried after every slot release and
-  every poll and at :func:`~guard_core.next_check_at`; an admitted request is bracketed by
-  ``PrefillStarted``/``PrefillEnded`` and releases its slot when the engine ends it; its first
-  token is reported with the seconds since it reached the guard; every ``poll_interval_s`` the
-  engine's metrics become a ``BackendSample`` and a ``MetricsPolled``.
+- :class:`Guard` is ``guard_core`` itself, driven by the live engine's request events: every
+  arrival is ``Arrived``; a ``Queued`` request is ``Retried`` after every slot release and
+  every poll and at :func:`~guard_core.next_check_at`; an admitted request is ``Forwarded``
+  and ``Finished`` when the engine ends it (the core gives its slot back and ends its prefill
+  grace in that one step); its ``FirstToken`` carries the seconds since it reached the guard;
+  every ``poll_interval_s`` the engine's metrics become a ``BackendSample`` and a
+  ``MetricsPolled``.
 
 Guarantees:
 - every trace request ends up exactly once as admitted or rejected, and every admitted one runs
@@ -82,23 +83,22 @@ from guard_adapters.prefix_cache import MOONCAKE_BLOCK_TOKENS, PrefixCache
 from guard_adapters.traces import TraceRequest, premium_flags
 from guard_core import (
     Admitted,
+    Arrived,
     BackendPoll,
     BackendSample,
-    FirstTokenObserved,
+    Finished,
+    FirstToken,
     Flavour,
+    Forwarded,
     GuardConfig,
     GuardState,
     Histogram,
     MetricsPolled,
     PredictiveConfig,
-    PrefillEnded,
-    PrefillStarted,
     Queued,
     Rejected,
-    SlotReleased,
-    SlotRequested,
+    Retried,
     Tier,
-    WaitRetried,
     apply_guard_event,
     current_limit,
     next_check_at,
@@ -488,9 +488,8 @@ class _Run:
         req.inflight = self.inflight
         req.cap = self._cap()
         if self.guard is not None:
-            body = _body_bytes(req.prompt)
-            started = PrefillStarted(at, req.rid, body, tier=req.tier)
-            self.guard = apply_guard_event(self.guard, started).state
+            forwarded = Forwarded(at=at, request_id=req.rid)
+            self.guard = apply_guard_event(self.guard, forwarded).state
         request = self._sim_request(req)
         try:
             self.engine.submit(request, at=at)
@@ -531,8 +530,7 @@ class _Run:
         self.inflight -= 1
         if self.guard is None:
             return
-        guard = apply_guard_event(self.guard, SlotReleased(at, req.tier)).state
-        self.guard = apply_guard_event(guard, PrefillEnded(at, req.rid)).state
+        self.guard = apply_guard_event(self.guard, Finished(at=at, request_id=req.rid)).state
         if self.waiters:
             self._retry(at, everyone=True)
 
@@ -551,7 +549,9 @@ class _Run:
 
     def _arrive(self, req: _Req, at: float) -> None:
         if self.guard is not None:
-            event = SlotRequested(at, req.tier, body_bytes=_body_bytes(req.prompt))
+            event = Arrived(
+                at=at, request_id=req.rid, tier=req.tier, body_bytes=_body_bytes(req.prompt)
+            )
             step = apply_guard_event(self.guard, event)
             self.guard = step.state
             self._settle(req, step.outcome, at)
@@ -561,11 +561,11 @@ class _Run:
             req.reject_code = "static_limit"
 
     def _retry(self, at: float, *, everyone: bool) -> None:
-        for rid, (queued, check) in list(self.waiters.items()):
+        for rid, (_, check) in list(self.waiters.items()):
             if rid not in self.waiters or (not everyone and check > at):
                 continue
             assert self.guard is not None
-            step = apply_guard_event(self.guard, WaitRetried(at, queued))
+            step = apply_guard_event(self.guard, Retried(at=at, request_id=rid))
             self.guard = step.state
             self._settle(self.reqs[rid], step.outcome, at)
 
@@ -597,7 +597,7 @@ class _Run:
         if kind == "first_token":
             req.first_at = at
             if self.guard is not None:
-                seen = FirstTokenObserved(at, at - req.arrival, request_id=req.rid)
+                seen = FirstToken(at=at, request_id=req.rid, seconds=at - req.arrival)
                 self.guard = apply_guard_event(self.guard, seen).state
                 if self.waiters and self.guard.predictive is not None:
                     # A prefill ended: the predictive learner's TTFT room may have come back.

@@ -20,6 +20,16 @@ from guard_core.decision import (
     StateReason,
 )
 from guard_core.evaluation import BackendPoll, GateView, LearnerState, Snapshot, evaluate
+from guard_core.events import (
+    Abandoned,
+    Arrived,
+    Finished,
+    FirstToken,
+    Forwarded,
+    Refused,
+    RequestEvent,
+    Retried,
+)
 from guard_core.gate import (
     DecisionPublished,
     GateConfig,
@@ -34,15 +44,7 @@ from guard_core.gate import (
     short_wait_s,
 )
 from guard_core.gate import apply as apply_gate_event
-from guard_core.guard import (
-    FirstTokenObserved,
-    GuardConfig,
-    GuardState,
-    GuardStep,
-    MetricsPolled,
-    PrefillEnded,
-    PrefillStarted,
-)
+from guard_core.guard import GuardConfig, GuardEvent, GuardState, GuardStep, MetricsPolled, fold
 from guard_core.guard import apply as apply_guard_event
 from guard_core.lanes import Lane, body_lane, combine_lanes, output_lane
 from guard_core.observations import BackendSample, Flavour, Histogram
@@ -57,8 +59,10 @@ from guard_core.upstream_status import UpstreamStatus, upstream_status_digit
 __all__ = (
     "COMPONENT_ORDER",
     "DEFAULT_QOS_PATHS",
+    "Abandoned",
     "Admission",
     "Admitted",
+    "Arrived",
     "BackendPoll",
     "BackendSample",
     "Binding",
@@ -66,14 +70,17 @@ __all__ = (
     "ComposedCap",
     "DecisionPublished",
     "DecisionSource",
-    "FirstTokenObserved",
+    "Finished",
+    "FirstToken",
     "Flavour",
+    "Forwarded",
     "GateConfig",
     "GateState",
     "GateStep",
     "GateView",
     "GuardConfig",
     "GuardError",
+    "GuardEvent",
     "GuardState",
     "GuardStep",
     "Histogram",
@@ -89,13 +96,14 @@ __all__ = (
     "Prediction",
     "PredictiveConfig",
     "PredictiveState",
-    "PrefillEnded",
-    "PrefillStarted",
     "PublishedDecision",
     "Queued",
     "Reclassified",
+    "Refused",
     "RejectCode",
     "Rejected",
+    "RequestEvent",
+    "Retried",
     "SignalThresholds",
     "SlotReleased",
     "SlotRequested",
@@ -113,6 +121,7 @@ __all__ = (
     "compose",
     "current_limit",
     "evaluate",
+    "fold",
     "next_check_at",
     "output_lane",
     "premium_reserved",

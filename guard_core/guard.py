@@ -1,10 +1,11 @@
 """The whole guard as one reducer: the admission gate and the capacity learner together.
 
-Reads: every observation the runtime makes, as an event stamped with ``at``: admission attempts
-and their ends, metrics polls, first useful tokens, prefill starts and ends.
+Reads: every observation the runtime makes, as an event stamped with ``at``: the request
+events of :mod:`guard_core.events` (applied by :mod:`guard_core.requests`) and metrics polls.
 Guarantees:
-- one state value, changed only by :func:`apply`, so a runtime has a single owner of the policy
-  and a recording of the events replays to the same decisions;
+- one state value, changed only by :func:`apply` (or :func:`fold` over many events), so a
+  runtime has a single owner of the policy and a recording of the events replays to the same
+  decisions;
 - a poll's decision is published to the gate in the same step that evaluates it;
 - refusals by the dynamic cap or the tier rule are counted for the learner when they end in a
   429 (not while the request still waits, and not when its client left);
@@ -17,48 +18,40 @@ Guarantees:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import attrs
 
 from guard_core import gate as gate_rules
 from guard_core import predictive as predictive_rules
-from guard_core._values import replace
+from guard_core import requests as request_rules
 from guard_core.decision import (
     Admission,
-    Admitted,
     DecisionSource,
     LimitReason,
     LoadState,
     PublishedDecision,
-    RejectCode,
-    Rejected,
 )
 from guard_core.evaluation import (
     BackendPoll,
     GateView,
     LearnerState,
     evaluate,
-    observe_first_token,
 )
+from guard_core.events import RequestEvent
 from guard_core.gate import GateConfig, GateState
 from guard_core.policy import PolicyConfig
 from guard_core.predictive import Prediction, PredictiveConfig, PredictiveState
-from guard_core.prefill_guard import grace_s
-from guard_core.tier import Tier, premium_reserved
+from guard_core.requests import Tracked
 
 __all__ = (
-    "FirstTokenObserved",
     "GuardConfig",
     "GuardEvent",
     "GuardState",
     "GuardStep",
     "MetricsPolled",
-    "PrefillEnded",
-    "PrefillStarted",
     "apply",
-)
-
-_DYNAMIC_REJECTS = frozenset(
-    {RejectCode.GLOBAL_DYNAMIC_LIMIT, RejectCode.TIER_PRIORITY, RejectCode.TIER_BASIC_LIMIT}
+    "fold",
 )
 
 
@@ -84,38 +77,9 @@ class MetricsPolled:
     polls: tuple[BackendPoll, ...]
 
 
-@attrs.frozen
-class FirstTokenObserved:
-    """A streamed response delivered its first useful token ``seconds`` after it arrived."""
-
-    at: float
-    seconds: float
-    #: Which forwarded request it was (``PrefillStarted.request_id``), when known.
-    request_id: int | None = None
-
-
-@attrs.frozen
-class PrefillStarted:
-    """An admitted request was forwarded; it counts as prefilling for a grace period."""
-
-    at: float
-    request_id: int
-    body_bytes: int | None
-    #: The request's tier, when the runtime says (the predictive learner reserves for premium).
-    tier: Tier | None = None
-
-
-@attrs.frozen
-class PrefillEnded:
-    """An admitted request finished (any way), ending its prefill grace early."""
-
-    at: float
-    request_id: int
-
-
-GuardEvent = (
-    gate_rules.GateEvent | MetricsPolled | FirstTokenObserved | PrefillStarted | PrefillEnded
-)
+#: Everything the guard applies: request events, polls, and a decision published directly (a
+#: runtime that pins the cap without polling, as tests do).
+GuardEvent = RequestEvent | MetricsPolled | gate_rules.DecisionPublished
 
 
 @attrs.frozen(kw_only=True)
@@ -127,6 +91,8 @@ class GuardState:
     #: The predictive learner's latest admission verdict and its explanation (kept here, not in
     #: the learner's state, so judging an attempt copies only this small value).
     verdict: Prediction | None = None
+    #: Every request waiting for a slot or holding one, by id (:mod:`guard_core.requests`).
+    requests: Mapping[int, Tracked] = attrs.field(factory=dict)
 
     @classmethod
     def initial(cls, config: GuardConfig, *, at: float) -> GuardState:
@@ -197,102 +163,18 @@ def _predictive_decision(
     return attrs.evolve(pig, cap=cap, final_reason=reason), predictive
 
 
-def _waited(
-    event: gate_rules.SlotRequested | gate_rules.WaitRetried,
-) -> tuple[float, Tier, int | None]:
-    if isinstance(event, gate_rules.SlotRequested):
-        return 0.0, event.tier, event.body_bytes
-    queued = event.queued
-    arrived = queued.arrived_at if queued.arrived_at is not None else event.at
-    return max(0.0, event.at - arrived), queued.tier, queued.body_bytes
-
-
-def _predictive_attempt(
-    state: GuardState, event: gate_rules.SlotRequested | gate_rules.WaitRetried
-) -> tuple[gate_rules.GateStep, Prediction | None]:
-    """The gate's counts first; what they admit must also pass the learner's predictions."""
-    predictive = state.predictive
-    assert predictive is not None
-    gate = state.gate
-    step = gate_rules.apply(gate, event)
-    if isinstance(step.outcome, Admitted):
-        waited, tier, body_bytes = _waited(event)
-        limit, _ = gate_rules.current_limit(gate)
-        # The reserve counts slots premium already holds; what basic must leave free on top of
-        # those is the rest (one slot, unless the cap is tiny).
-        reserve = 0
-        if tier is Tier.BASIC:
-            reserve = max(0, premium_reserved(limit, gate.premium_inflight) - gate.premium_inflight)
-        verdict = predictive_rules.assess(
-            predictive, body_bytes, reserve=reserve, waited_s=waited, at=event.at
-        )
-        if not verdict.admit:
-            step = gate_rules.refuse(gate, event, RejectCode.GLOBAL_DYNAMIC_LIMIT)
-        return step, verdict.prediction
-    return step, None
-
-
 def apply(state: GuardState, event: GuardEvent) -> GuardStep:
     """Apply one event; attempts return their outcome, polls the decision they published."""
     if isinstance(event, MetricsPolled):
         return _poll(state, event)
-    learner = state.learner
-    if isinstance(event, FirstTokenObserved):
-        histogram = observe_first_token(learner.semantic_ttft, event.seconds)
-        state = attrs.evolve(state, learner=attrs.evolve(learner, semantic_ttft=histogram))
-        if state.predictive is not None and event.request_id is not None:
-            predictive = predictive_rules.first_token(
-                state.predictive, event.request_id, at=event.at
-            )
-            state = attrs.evolve(state, predictive=predictive)
-        return GuardStep(state)
-    if isinstance(event, PrefillStarted):
-        deadline = event.at + grace_s(learner.config, event.body_bytes)
-        prefill = (*learner.prefill, (event.request_id, deadline))
-        state = attrs.evolve(state, learner=attrs.evolve(learner, prefill=prefill))
-        if state.predictive is not None:
-            predictive = predictive_rules.forwarded(
-                state.predictive,
-                event.request_id,
-                event.body_bytes,
-                at=event.at,
-                premium=event.tier is Tier.PREMIUM,
-            )
-            state = attrs.evolve(state, predictive=predictive)
-        return GuardStep(state)
-    if isinstance(event, PrefillEnded):
-        prefill = tuple(entry for entry in learner.prefill if entry[0] != event.request_id)
-        state = attrs.evolve(state, learner=attrs.evolve(learner, prefill=prefill))
-        if state.predictive is not None:
-            predictive = predictive_rules.finished(state.predictive, event.request_id, at=event.at)
-            state = attrs.evolve(state, predictive=predictive)
-        return GuardStep(state)
-    prediction: Prediction | None = None
-    step: gate_rules.GateStep
-    if (
-        state.predictive is not None
-        and state.gate.config.dynamic
-        and isinstance(event, gate_rules.SlotRequested | gate_rules.WaitRetried)
-    ):
-        # Learning without enforcing (DYNAMIC_PIG_ENFORCE=false) predicts but never refuses.
-        step, prediction = _predictive_attempt(state, event)
-    else:
-        step = gate_rules.apply(state.gate, event)
-    outcome = step.outcome
-    if isinstance(outcome, Rejected) and outcome.code in _DYNAMIC_REJECTS:
-        learner = replace(learner, dynamic_rejects=learner.dynamic_rejects + 1)
-    model = state.predictive
-    verdict = state.verdict
-    if model is not None:
-        if prediction is not None:
-            verdict = prediction
-        if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:
-            basis = prediction or model.last_cap
-            if basis is not None:
-                seconds = predictive_rules.retry_after_s(model, basis, at=event.at)
-                outcome = attrs.evolve(outcome, retry_after_s=seconds)
-    if step.state is state.gate and learner is state.learner and verdict is state.verdict:
-        return GuardStep(state, outcome=outcome)  # a refusal at once changes nothing
-    return GuardStep(
-        replace(state, gate=step.state, learner=learner, verdict=verdict), outcome=outcome
-    )
+    if isinstance(event, gate_rules.DecisionPublished):
+        return GuardStep(attrs.evolve(state, gate=gate_rules.apply(state.gate, event).state))
+    state, outcome = request_rules.apply(state, event)
+    return GuardStep(state, outcome=outcome)
+
+
+def fold(state: GuardState, events: Iterable[GuardEvent]) -> GuardState:
+    """The state after ``events``, applied in order from ``state``."""
+    for event in events:
+        state = apply(state, event).state
+    return state

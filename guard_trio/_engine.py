@@ -4,13 +4,16 @@ Reads: admission requests, releases, first tokens and poll results from the prox
 time from ``trio.current_time()`` only.
 Guarantees:
 - every state change goes through :func:`guard_core.apply_guard_event`, in one task at a time
-  (trio is single-threaded and none of these methods awaits while changing state);
+  (trio is single-threaded and none of these methods awaits while changing state); the proxy's
+  side is said in the request events of :mod:`guard_core.events` and nothing else;
 - a waiting request wakes on every release and every poll (a broadcast), at its fallback
   re-check time, and at its deadline, and always ends with a slot or a refusal; a waiter whose
   task is cancelled (its client left) is removed from the queue and never admitted;
 - a slot is released exactly once: :class:`Slot` ignores a second release, so ``finally`` blocks
   on every path may call it safely;
-- every event is also handed to the recorder, when there is one, without waiting for it;
+- every request event it applied is handed, in order, to the listener (the recorder), when
+  there is one, without waiting for it; a refusal is applied as :class:`~guard_core.Refused`,
+  so the listener sees how every attempt ended;
 - each attempt carries what the predictive learner needs at no cost on the streaming path: the
   body size the proxy already knows (its ``Content-Length``) and, for the first token, the
   request's id; a refusal comes back with the learner's predicted ``Retry-After`` and the
@@ -21,96 +24,40 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Protocol
 
 import attrs
 import trio
 
 from guard_adapters.explain import attempt_prediction, refusal_binding
 from guard_core import (
+    Abandoned,
     Admitted,
+    Arrived,
     BackendPoll,
     Binding,
-    FirstTokenObserved,
+    Finished,
+    FirstToken,
+    Forwarded,
     GuardConfig,
     GuardState,
+    GuardStep,
     MetricsPolled,
-    PrefillEnded,
-    PrefillStarted,
     PublishedDecision,
     Queued,
+    Refused,
     RejectCode,
     Rejected,
-    SlotReleased,
-    SlotRequested,
+    RequestEvent,
+    Retried,
     Tier,
-    WaitAbandoned,
-    WaitRetried,
     apply_guard_event,
     next_check_at,
 )
-from guard_core.guard import GuardEvent
 
-__all__ = ("AdmissionResult", "Attempt", "EngineObserver", "GuardEngine", "Slot")
+__all__ = ("AdmissionResult", "Attempt", "GuardEngine", "RequestListener", "Slot")
 
-
-class EngineObserver(Protocol):
-    """What the engine tells the recorder and the metrics (all optional no-ops by default)."""
-
-    def arrival(
-        self, at: float, request_id: int, tier: Tier, path: str, body_bytes: int | None
-    ) -> None: ...
-    def retry(self, at: float, request_id: int) -> None: ...
-    def gone(self, at: float, request_id: int) -> None: ...
-    def outcome(
-        self,
-        at: float,
-        request_id: int,
-        admitted: bool,
-        code: RejectCode | None,
-        waited_s: float,
-        *,
-        retry_after_s: int | None = None,
-        binding: Binding | None = None,
-    ) -> None: ...
-    def first_token(self, at: float, request_id: int, seconds: float) -> None: ...
-    def completion(self, at: float, request_id: int, status: int) -> None: ...
-    def decision(self, at: float, decision: PublishedDecision) -> None: ...
-
-
-class _Silent:
-    def arrival(
-        self, at: float, request_id: int, tier: Tier, path: str, body_bytes: int | None
-    ) -> None:
-        pass
-
-    def retry(self, at: float, request_id: int) -> None:
-        pass
-
-    def gone(self, at: float, request_id: int) -> None:
-        pass
-
-    def outcome(
-        self,
-        at: float,
-        request_id: int,
-        admitted: bool,
-        code: RejectCode | None,
-        waited_s: float,
-        *,
-        retry_after_s: int | None = None,
-        binding: Binding | None = None,
-    ) -> None:
-        pass
-
-    def first_token(self, at: float, request_id: int, seconds: float) -> None:
-        pass
-
-    def completion(self, at: float, request_id: int, status: int) -> None:
-        pass
-
-    def decision(self, at: float, decision: PublishedDecision) -> None:
-        pass
+#: Told every request event the engine applied, in order (the recorder's ``event``).
+RequestListener = Callable[[RequestEvent], None]
 
 
 @attrs.define(eq=False)
@@ -131,8 +78,7 @@ class Slot:
         self.first_token_seen = True
         at = self.engine._at()
         seconds = at - self.arrived_at
-        self.engine._apply(FirstTokenObserved(at, seconds, request_id=self.request_id))
-        self.engine.observer.first_token(at, self.request_id, seconds)
+        self.engine._apply(FirstToken(at=at, request_id=self.request_id, seconds=seconds))
         if self.engine.state.predictive is not None:
             # A prefill ended: the predictive learner may have room again for a waiter.
             self.engine._notify()
@@ -141,7 +87,10 @@ class Slot:
         if self.released:
             return
         self.released = True
-        self.engine._release(self, status)
+        engine = self.engine
+        # One event: the core gives the slot back and ends the prefill grace in one step.
+        engine._apply(Finished(at=engine._at(), request_id=self.request_id, status=status))
+        engine._notify()
 
 
 @attrs.frozen
@@ -177,11 +126,11 @@ class GuardEngine:
         self,
         config: GuardConfig,
         *,
-        observer: EngineObserver | None = None,
+        on_event: RequestListener | None = None,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.now = clock
-        self.observer: EngineObserver = observer or _Silent()
+        self.on_event = on_event
         self._origin = clock()
         self.state = GuardState.initial(config, at=0.0)
         self._wake = trio.Event()
@@ -192,10 +141,13 @@ class GuardEngine:
     def _at(self) -> float:
         return self.now() - self._origin
 
-    def _apply(self, event: GuardEvent) -> object:
+    def _apply(self, event: RequestEvent) -> object:
+        """Apply one request event and tell the listener; the attempt's outcome, if any."""
         step = apply_guard_event(self.state, event)
         self.state = step.state
-        return step.outcome if step.decision is None else step.decision
+        if self.on_event is not None:
+            self.on_event(event)
+        return step.outcome
 
     def _notify(self) -> None:
         self._wake.set()
@@ -208,8 +160,9 @@ class GuardEngine:
         settled (a slot or a refusal) unless it was queued; :meth:`settle` finishes it."""
         request_id = next(self._ids)
         arrived = self._at()
-        self.observer.arrival(arrived, request_id, tier, path, body_bytes)
-        outcome, binding = self._attempt(SlotRequested(arrived, tier, body_bytes))
+        outcome, binding = self._attempt(
+            Arrived(at=arrived, request_id=request_id, tier=tier, body_bytes=body_bytes, path=path)
+        )
         attempt = Attempt(request_id, tier, arrived, body_bytes, outcome, binding)
         if not isinstance(outcome, Queued):
             self._conclude(attempt, arrived)  # at once: the same instant
@@ -234,22 +187,18 @@ class GuardEngine:
             except trio.Cancelled:
                 self.abandon(attempt)
                 raise
-            at = self._at()
-            self.observer.retry(at, attempt.request_id)
-            attempt.outcome, attempt.binding = self._attempt(WaitRetried(at, queued))
+            retried = Retried(at=self._at(), request_id=attempt.request_id)
+            attempt.outcome, attempt.binding = self._attempt(retried)
             if not isinstance(attempt.outcome, Queued):
-                self._conclude(attempt, at)
+                self._conclude(attempt, retried.at)
         return attempt.result
 
     def abandon(self, attempt: Attempt) -> None:
         """An attempt nobody will settle or serve (its client left): leave the queue, or give
         the slot back. Safe to call more than once."""
         if attempt.result is None:
-            queued = attempt.outcome
-            assert isinstance(queued, Queued)
             at = self._at()
-            self._apply(WaitAbandoned(at, queued))
-            self.observer.gone(at, attempt.request_id)
+            self._apply(Abandoned(at=at, request_id=attempt.request_id))
             attempt.result = AdmissionResult(None, None, at - attempt.arrived)
         elif attempt.result.slot is not None:
             attempt.result.slot.release(0)
@@ -257,30 +206,27 @@ class GuardEngine:
     def _conclude(self, attempt: Attempt, at: float) -> None:
         waited = at - attempt.arrived
         outcome = attempt.outcome
+        request_id = attempt.request_id
         if isinstance(outcome, Admitted):
             # Accepted: its prefill grace starts now (the same instant a replay will use).
-            self._apply(
-                PrefillStarted(at, attempt.request_id, attempt.body_bytes, tier=attempt.tier)
-            )
-            self.observer.outcome(at, attempt.request_id, True, None, waited)
-            slot = Slot(self, attempt.request_id, attempt.tier, arrived_at=attempt.arrived)
+            self._apply(Forwarded(at=at, request_id=request_id))
+            slot = Slot(self, request_id, attempt.tier, arrived_at=attempt.arrived)
             attempt.result = AdmissionResult(slot, None, waited)
             return
         assert isinstance(outcome, Rejected)
-        self.observer.outcome(
-            at,
-            attempt.request_id,
-            False,
-            outcome.code,
-            waited,
-            retry_after_s=outcome.retry_after_s,
-            binding=attempt.binding,
+        retry_after_s = outcome.retry_after_s
+        self._apply(
+            Refused(
+                at=at,
+                request_id=request_id,
+                code=outcome.code,
+                retry_after_s=retry_after_s,
+                binding=attempt.binding,
+            )
         )
-        attempt.result = AdmissionResult(
-            None, outcome.code, waited, outcome.retry_after_s, attempt.binding
-        )
+        attempt.result = AdmissionResult(None, outcome.code, waited, retry_after_s, attempt.binding)
 
-    def _attempt(self, event: SlotRequested | WaitRetried) -> tuple[object, Binding | None]:
+    def _attempt(self, event: Arrived | Retried) -> tuple[object, Binding | None]:
         """Apply an attempt: its outcome and, for a refusal under the predictive learner, the
         constraint it came from."""
         before = self.state
@@ -290,13 +236,6 @@ class GuardEngine:
         verdict = attempt_prediction(before, self.state)
         return outcome, refusal_binding(verdict, before.gate.decision, outcome.code)
 
-    def _release(self, slot: Slot, status: int) -> None:
-        at = self._at()
-        self._apply(SlotReleased(at, slot.tier))
-        self._apply(PrefillEnded(at, slot.request_id))
-        self.observer.completion(at, slot.request_id, status)
-        self._notify()
-
     # -- polls ---------------------------------------------------------------------------------
 
     def publish_poll(
@@ -304,12 +243,10 @@ class GuardEngine:
     ) -> PublishedDecision | None:
         """Evaluate one poll round, publish its decision and wake every waiter."""
         at = self._at() if at is None else at
-        decision = self._apply(MetricsPolled(at, polls))
+        step: GuardStep = apply_guard_event(self.state, MetricsPolled(at, polls))
+        self.state = step.state
         self._notify()
-        if isinstance(decision, PublishedDecision):
-            self.observer.decision(at, decision)
-            return decision
-        return None
+        return step.decision
 
     def seconds_since_start(self) -> float:
         return self._at()

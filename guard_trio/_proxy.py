@@ -58,6 +58,7 @@ from guard_adapters.openai_body import (
 from guard_adapters.openai_body import plan as body_plan
 from guard_adapters.sse import FirstUsefulEventScanner, is_streaming_request
 from guard_core import (
+    Arrived,
     Binding,
     DecisionSource,
     GuardError,
@@ -65,7 +66,6 @@ from guard_core import (
     LoadState,
     RejectCode,
     Rejected,
-    SlotRequested,
     Tier,
     apply_guard_event,
     body_lane,
@@ -580,7 +580,10 @@ class ProxyApp:
         """The gate would refuse a slot request now, with no wait: a pure peek at the engine's
         state (nothing is applied)."""
         engine = self.engine
-        attempt = SlotRequested(engine.seconds_since_start(), tier, length)
+        # Id 0 is never one of the engine's, and the step is dropped: nothing is applied.
+        attempt = Arrived(
+            at=engine.seconds_since_start(), request_id=0, tier=tier, body_bytes=length
+        )
         step = apply_guard_event(engine.state, attempt)
         return isinstance(step.outcome, Rejected)
 

@@ -1,6 +1,7 @@
 """``PIG_RECORD_PATH``: the live recording, written without ever blocking a request.
 
-Reads: engine and poller events (as an :class:`~guard_trio._engine.EngineObserver`).
+Reads: the request events the engine applied (its listener is :meth:`Recorder.event`) and the
+poller's rounds (:meth:`Recorder.poll`).
 Guarantees:
 - the request path only appends an encoded line to an in-memory list; a background task hands
   the pending lines to a worker thread about twice a second, so a slow disk never stalls trio;
@@ -21,22 +22,16 @@ import trio
 from guard_adapters.explain import explanation
 from guard_adapters.metrics import LEARNER_FAMILIES
 from guard_adapters.recording import (
-    Arrival,
-    Completion,
     Decision,
-    FirstToken,
-    Gone,
     Header,
-    Outcome,
     Record,
-    Retry,
     Scrape,
     ScrapeFailed,
     encode,
     learner_text,
     open_for_writing,
 )
-from guard_core import Binding, PublishedDecision, RejectCode, Tier
+from guard_core import RequestEvent
 from guard_trio._poller import PollReport
 
 __all__ = ("Recorder",)
@@ -69,50 +64,11 @@ class Recorder:
             return
         self._pending.append(encode(record))
 
-    # -- EngineObserver ------------------------------------------------------------------------
+    # -- the engine's listener ----------------------------------------------------------------
 
-    def arrival(
-        self, at: float, request_id: int, tier: Tier, path: str, body_bytes: int | None
-    ) -> None:
-        self._add(Arrival(at=at, id=request_id, tier=str(tier), path=path, body_bytes=body_bytes))
-
-    def retry(self, at: float, request_id: int) -> None:
-        self._add(Retry(at=at, id=request_id))
-
-    def gone(self, at: float, request_id: int) -> None:
-        self._add(Gone(at=at, id=request_id))
-
-    def outcome(
-        self,
-        at: float,
-        request_id: int,
-        admitted: bool,
-        code: RejectCode | None,
-        waited_s: float,
-        *,
-        retry_after_s: int | None = None,
-        binding: Binding | None = None,
-    ) -> None:
-        self._add(
-            Outcome(
-                at=at,
-                id=request_id,
-                outcome="forwarded" if admitted else "rejected",
-                code=None if code is None else str(code),
-                waited_s=round(waited_s, 6),
-                retry_after_s=retry_after_s,
-                binding=None if binding is None else str(binding),
-            )
-        )
-
-    def first_token(self, at: float, request_id: int, seconds: float) -> None:
-        self._add(FirstToken(at=at, id=request_id, seconds=seconds))
-
-    def completion(self, at: float, request_id: int, status: int) -> None:
-        self._add(Completion(at=at, id=request_id, status=status))
-
-    def decision(self, at: float, decision: PublishedDecision) -> None:
-        """Written with the poll round (see :meth:`poll`), which knows the poll number."""
+    def event(self, event: RequestEvent) -> None:
+        """One request event the engine applied: written as it is (docs/recording.md)."""
+        self._add(event)
 
     # -- poller --------------------------------------------------------------------------------
 

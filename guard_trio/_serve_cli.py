@@ -57,7 +57,7 @@ async def serve(
         )
     server = GuardServer(
         settings,
-        observer=recorder,
+        on_event=recorder.event if recorder is not None else None,
         on_poll=recorder.poll if recorder is not None else None,
     )
     drain_s = float(settings.env.pig_drain_seconds)

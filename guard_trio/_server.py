@@ -38,7 +38,7 @@ from guard_trio._downstream import (
     RefusedRequest,
     ResponseAborted,
 )
-from guard_trio._engine import Attempt, EngineObserver, GuardEngine
+from guard_trio._engine import Attempt, GuardEngine, RequestListener
 from guard_trio._observability import CONTENT_TYPE, GuardMetrics
 from guard_trio._poller import MetricsSource, Poller, PollReport
 from guard_trio._proxy import ProxyApp, openai_error
@@ -68,13 +68,13 @@ class GuardServer:
         self,
         settings: Settings,
         *,
-        observer: EngineObserver | None = None,
+        on_event: RequestListener | None = None,
         on_poll: Callable[[PollReport], None] | None = None,
         local_metrics: Callable[[], bytes] | None = None,
         header_timeout_s: float | None = None,
     ) -> None:
         self.settings = settings
-        self.engine = GuardEngine(settings.guard_config(), observer=observer)
+        self.engine = GuardEngine(settings.guard_config(), on_event=on_event)
         self.pool = UpstreamPool()
         self.metrics = GuardMetrics(
             settings,

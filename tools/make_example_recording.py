@@ -19,33 +19,29 @@ import attrs
 
 from guard_adapters.metrics import parse_metrics
 from guard_adapters.recording import (
-    Arrival,
-    Completion,
     Decision,
-    FirstToken,
     Header,
-    Outcome,
     Record,
-    Retry,
     Scrape,
     encode,
     open_for_writing,
 )
 from guard_core import (
     Admitted,
+    Arrived,
     BackendPoll,
-    FirstTokenObserved,
+    Finished,
+    FirstToken,
+    Forwarded,
     GuardConfig,
     GuardState,
     MetricsPolled,
-    PrefillEnded,
-    PrefillStarted,
     Queued,
+    Refused,
     Rejected,
-    SlotReleased,
-    SlotRequested,
+    RequestEvent,
+    Retried,
     Tier,
-    WaitRetried,
     apply_guard_event,
 )
 
@@ -163,18 +159,18 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     next_id = 0
     poll = 0
 
-    def step(event: object) -> object:
+    def step(event: RequestEvent | MetricsPolled) -> object:
+        """Apply one event; a request event is also recorded, as the live engine records it."""
         nonlocal state
-        result = apply_guard_event(state, event)  # type: ignore[arg-type]
+        if not isinstance(event, MetricsPolled):
+            records.append(event)
+        result = apply_guard_event(state, event)
         state = result.state
         return result.decision if result.decision is not None else result.outcome
 
-    def start(request_id: int, tier: Tier, arrived: float, at: float, body: int) -> None:
+    def start(request_id: int, tier: Tier, arrived: float, at: float) -> None:
         admitted[request_id] = (tier, arrived)
-        records.append(
-            Outcome(at=at, id=request_id, outcome="forwarded", waited_s=round(at - arrived, 6))
-        )
-        step(PrefillStarted(at, request_id, body))
+        step(Forwarded(at=at, request_id=request_id))
         job = [float(rng.randint(100, 500)), float(request_id)]
         if len(engine.running) < MAX_NUM_SEQS:
             engine.running.append(job)
@@ -189,29 +185,18 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         for request_id, queued in list(waiters.items()):
             if expired_only and queued.deadline > at:
                 continue
-            records.append(Retry(at=at, id=request_id))
-            outcome = step(WaitRetried(at, queued))
+            outcome = step(Retried(at=at, request_id=request_id))
             if isinstance(outcome, Queued):
                 waiters[request_id] = outcome
                 continue
             del waiters[request_id]
-            body, arrived = bodies[request_id]
             if isinstance(outcome, Admitted):
-                start(request_id, queued.tier, arrived, at, body)
+                start(request_id, queued.tier, arrivals[request_id], at)
                 continue
             assert isinstance(outcome, Rejected)
-            waited = round(at - arrived, 6)
-            records.append(
-                Outcome(
-                    at=at,
-                    id=request_id,
-                    outcome="rejected",
-                    code=str(outcome.code),
-                    waited_s=waited,
-                )
-            )
+            step(Refused(at=at, request_id=request_id, code=outcome.code))
 
-    bodies: dict[int, tuple[int, float]] = {}
+    arrivals: dict[int, float] = {}
     ticks = int(DURATION_S / TICK_S)
     for tick in range(1, ticks + 1):
         at = round(tick * TICK_S, 6)
@@ -225,10 +210,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script
             if job[0] <= 0:
                 engine.running.remove(job)
                 request_id = int(job[1])
-                tier, _ = admitted.pop(request_id)
-                records.append(Completion(at=at, id=request_id, status=200))
-                step(SlotReleased(at, tier))
-                step(PrefillEnded(at, request_id))
+                admitted.pop(request_id)
+                step(Finished(at=at, request_id=request_id, status=200))
                 released = True
         while engine.waiting and len(engine.running) < MAX_NUM_SEQS:
             engine.running.append(engine.waiting.pop(0))
@@ -239,8 +222,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
             if request_id in admitted:
                 engine.observe_ttft(when - arrived)
                 seconds = round(at - arrived, 6)
-                records.append(FirstToken(at=at, id=request_id, seconds=seconds))
-                step(FirstTokenObserved(at, seconds))
+                step(FirstToken(at=at, request_id=request_id, seconds=seconds))
         if released:
             retry(at)
         retry(at, expired_only=True)
@@ -249,26 +231,22 @@ def main() -> None:  # noqa: PLR0915 - one linear script
             request_id, next_id = next_id, next_id + 1
             tier = Tier.PREMIUM if rng.random() < 0.2 else Tier.BASIC
             body = rng.randint(400, 40_000)
-            bodies[request_id] = (body, at)
-            records.append(
-                Arrival(
-                    at=at,
-                    id=request_id,
-                    tier=str(tier),
-                    path="/v1/chat/completions",
-                    body_bytes=body,
-                )
+            arrivals[request_id] = at
+            arrival = Arrived(
+                at=at,
+                request_id=request_id,
+                tier=tier,
+                body_bytes=body,
+                path="/v1/chat/completions",
             )
-            outcome = step(SlotRequested(at, tier))
+            outcome = step(arrival)
             if isinstance(outcome, Admitted):
-                start(request_id, tier, at, at, body)
+                start(request_id, tier, at, at)
             elif isinstance(outcome, Queued):
                 waiters[request_id] = outcome
             else:
                 assert isinstance(outcome, Rejected)
-                records.append(
-                    Outcome(at=at, id=request_id, outcome="rejected", code=str(outcome.code))
-                )
+                step(Refused(at=at, request_id=request_id, code=outcome.code))
         # Poll.
         if tick % POLL_EVERY == 0:
             text = engine.render(lines)

@@ -5,8 +5,6 @@ Virtual time (trio's autojump clock), so every assertion on time is exact.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 import pytest
 import trio
@@ -16,14 +14,18 @@ from guard_core import (
     BackendSample,
     Binding,
     DecisionSource,
+    Forwarded,
     GateConfig,
     GuardConfig,
     LimitReason,
     LoadState,
     PredictiveConfig,
     PublishedDecision,
+    Refused,
     RejectCode,
+    RequestEvent,
     Tier,
+    apply_guard_event,
 )
 from guard_core.gate import DecisionPublished
 from guard_trio._engine import AdmissionResult, GuardEngine
@@ -41,7 +43,7 @@ def engine_with_cap(cap: int, **gate: object) -> GuardEngine:
         state=LoadState.GREEN,
         final_reason=LimitReason.THROUGHPUT,
     )
-    engine._apply(DecisionPublished(decision))
+    engine.state = apply_guard_event(engine.state, DecisionPublished(decision)).state
     return engine
 
 
@@ -98,7 +100,7 @@ async def test_a_poll_wakes_waiters(autojump_clock: trio.abc.Clock) -> None:
         nursery.start_soon(wait_for_slot)
         await trio.sleep(0.1)
         bigger = attrs.evolve(engine.state.gate.decision, cap=3)
-        engine._apply(DecisionPublished(bigger))
+        engine.state = apply_guard_event(engine.state, DecisionPublished(bigger)).state
         engine._notify()
     assert results[0].slot is not None
     assert results[0].waited_s == pytest.approx(0.1)
@@ -165,32 +167,22 @@ async def test_first_token_is_measured_from_arrival(autojump_clock: trio.abc.Clo
 
 
 class Outcomes:
-    """An observer that keeps the outcomes the engine reports."""
+    """A listener that keeps how the engine says each attempt ended."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[bool, RejectCode | None, int | None, Binding | None]] = []
 
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-    def outcome(
-        self,
-        at: float,
-        request_id: int,
-        admitted: bool,
-        code: RejectCode | None,
-        waited_s: float,
-        *,
-        retry_after_s: int | None = None,
-        binding: Binding | None = None,
-    ) -> None:
-        self.seen.append((admitted, code, retry_after_s, binding))
+    def __call__(self, event: RequestEvent) -> None:
+        if isinstance(event, Forwarded):
+            self.seen.append((True, None, None, None))
+        elif isinstance(event, Refused):
+            self.seen.append((False, event.code, event.retry_after_s, event.binding))
 
 
 def predictive_engine(observer: Outcomes | None = None) -> GuardEngine:
     """A predictive guard after one good poll (4 running, little KV in use)."""
     config = GuardConfig(predictive=PredictiveConfig())
-    engine = GuardEngine(config, observer=observer)
+    engine = GuardEngine(config, on_event=observer)
     sample = BackendSample(running=4.0, waiting=0.0, kv_usage=0.05, generation_tokens=10.0)
     engine.publish_poll((BackendPoll(name="metrics1", sample=sample),), at=0.0)
     return engine

@@ -28,12 +28,10 @@ from guard_core import (
     BackendPoll,
     BackendSample,
     Binding,
-    FirstTokenObserved,
     GuardState,
     Histogram,
     Lane,
     MetricsPolled,
-    SlotRequested,
     Tier,
     apply_guard_event,
 )
@@ -44,6 +42,7 @@ from guard_trio._observability import (
     EventHistogram,
     GuardMetrics,
 )
+from tests.core_steps import attempt, with_first_tokens
 
 # name, kind, label names. Kinds: C counter, G gauge, I info (a gauge at 1), H histogram,
 # S summary-like (_count and _sum only). "?" marks the ones PIG prints only when set.
@@ -422,7 +421,7 @@ def test_queue_and_tier_gauges_follow_the_gate() -> None:
     rig = Rig({"DYNAMIC_METRICS_URL": "http://vllm:8000/metrics", "GLOBAL_LIMIT": "8"})
     rig.poll(1.0, backend1=sample(running=1))
     for tier in (Tier.PREMIUM, Tier.BASIC):
-        rig.state = apply_guard_event(rig.state, SlotRequested(1.5, tier)).state
+        rig.state = attempt(rig.state, 1.5, tier).state
     page = rig.scrape()
     assert page.value("pig_tier_inflight", tier="premium") == 1
     assert page.value("pig_tier_inflight", tier="basic") == 1
@@ -432,7 +431,7 @@ def test_queue_and_tier_gauges_follow_the_gate() -> None:
     assert page.value("pig_queue_current") == 0
     # Backend waiting closes intake: the next basic request waits.
     rig.poll(2.0, backend1=sample(running=1, waiting=1))
-    rig.state = apply_guard_event(rig.state, SlotRequested(2.1, Tier.BASIC)).state
+    rig.state = attempt(rig.state, 2.1, Tier.BASIC).state
     page = rig.scrape()
     assert page.value("pig_queue_current") == 1
     assert page.value("pig_tier_waiting", tier="basic") == 1
@@ -441,8 +440,7 @@ def test_queue_and_tier_gauges_follow_the_gate() -> None:
 
 def test_semantic_ttft_histogram_is_the_cores() -> None:
     rig = Rig({"DYNAMIC_METRICS_URL": "http://vllm:8000/metrics"})
-    for seconds in (0.05, 0.3, 0.3, 7.0, 4000.0):
-        rig.state = apply_guard_event(rig.state, FirstTokenObserved(1.0, seconds)).state
+    rig.state = with_first_tokens(rig.state, 0.05, 0.3, 0.3, 7.0, 4000.0)
     page = rig.scrape()
     name = "pig_request_semantic_ttft_seconds"
     assert page.value(name + "_count") == 5
@@ -625,7 +623,7 @@ def test_dynamic_rejects_come_from_the_core() -> None:
     rig = Rig({"DYNAMIC_METRICS_URL": "http://vllm:8000/metrics", "PIG_QUEUE_WAIT_SECONDS": "0"})
     rig.poll(1.0, backend1=sample(waiting=2))
     for _ in range(3):
-        rig.state = apply_guard_event(rig.state, SlotRequested(1.1, Tier.BASIC)).state
+        rig.state = attempt(rig.state, 1.1, Tier.BASIC).state
     assert rig.scrape().value("pig_dynamic_rejected_total") == 3
 
 
@@ -765,7 +763,7 @@ def test_the_predictive_block_follows_the_learner() -> None:
     # No attempt judged yet: the verdict reads zero, bound by nothing.
     assert page.value("inference_guard_predictive_verdict_user_tokens_per_second") == 0
     assert page.value("inference_guard_predictive_verdict_binding_info", binding="none") == 1
-    rig.state = apply_guard_event(rig.state, SlotRequested(5.5, Tier.BASIC, 4000)).state
+    rig.state = attempt(rig.state, 5.5, Tier.BASIC, 4000).state
     page = rig.scrape()
     verdict = rig.state.verdict
     assert verdict is not None

@@ -101,7 +101,7 @@ async def test_live_recording_replays_to_the_same_decisions(
     settings = load_config(env)
     path = tmp_path / "live.jsonl"
     recorder = Recorder(path, config=settings.redacted(), producer="test")
-    server = GuardServer(settings, observer=recorder, on_poll=recorder.poll)
+    server = GuardServer(settings, on_event=recorder.event, on_poll=recorder.poll)
     host, port = await nursery.start(server.serve)
     guard = f"http://{host}:{port}"
     await until(lambda: server.poller.rounds >= 2)

@@ -32,15 +32,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from guard_adapters.config import load_config
 from guard_adapters.recording import (
+    VERSION,
     Decision,
-    FirstToken,
     Header,
-    Outcome,
     RecordingError,
     open_for_reading,
     read_records,
 )
 from guard_adapters.replay import replay, summarise
+from guard_core import FirstToken, Refused
 from guard_trio._recorder import Recorder
 from guard_trio._server import GuardServer
 
@@ -245,7 +245,7 @@ async def test_a_live_predictive_recording_replays_to_the_same_decisions(
     )
     path = tmp_path / "live.jsonl.gz"
     recorder = Recorder(path, config=settings.redacted(), producer="test")
-    server = GuardServer(settings, observer=recorder, on_poll=recorder.poll)
+    server = GuardServer(settings, on_event=recorder.event, on_poll=recorder.poll)
     host, port = await nursery.start(server.serve)
     guard = f"http://{host}:{port}"
     with trio.fail_after(10):
@@ -282,12 +282,12 @@ async def test_a_live_predictive_recording_replays_to_the_same_decisions(
         items = list(read_records(stream, strict=True))
     header = items[0]
     assert isinstance(header, Header)
-    assert header.version == 2
+    assert header.version == VERSION == 3
     records = [item for item in items[1:] if not isinstance(item, Header | RecordingError)]
     decisions = [r for r in records if isinstance(r, Decision)]
     assert decisions
     assert all(d.predicted is not None for d in decisions if d.source == "metrics")
-    refused = [r for r in records if isinstance(r, Outcome) and r.outcome == "rejected"]
+    refused = [r for r in records if isinstance(r, Refused)]
     assert refused, "the load must bring refusals"
     assert all(r.binding is not None and r.retry_after_s is not None for r in refused)
     firsts = [r for r in records if isinstance(r, FirstToken)]

@@ -43,7 +43,14 @@ from hypothesis.stateful import (
 )
 
 from guard_adapters.config import load_config
-from guard_core import DecisionPublished, DecisionSource, LimitReason, LoadState, PublishedDecision
+from guard_core import (
+    DecisionPublished,
+    DecisionSource,
+    LimitReason,
+    LoadState,
+    PublishedDecision,
+    apply_guard_event,
+)
 from guard_trio import _proxy
 from guard_trio._server import GuardServer
 from tests.integration.hostile.conftest import CountingUpstream
@@ -574,7 +581,7 @@ class World:
             final_reason=LimitReason.THROUGHPUT,
             backend_count=1,
         )
-        engine._apply(DecisionPublished(decision))
+        engine.state = apply_guard_event(engine.state, DecisionPublished(decision)).state
         engine._notify()  # waiters re-check, as after a poll
 
     def snapshot(self) -> tuple[int, int, int]:

@@ -26,11 +26,11 @@ from guard_core import (
     Prediction,
     PublishedDecision,
     RejectCode,
-    SlotRequested,
     Tier,
     apply_guard_event,
 )
 from guard_core.predictive import FitSummary
+from tests.core_steps import attempt
 
 
 def state_for(policy: str) -> GuardState:
@@ -69,7 +69,7 @@ def test_under_pigs_learner_no_step_makes_a_prediction() -> None:
     before = state_for("pig")
     after = poll(before, 1.0)
     assert poll_prediction(before, after) is None
-    attempted = apply_guard_event(after, SlotRequested(1.5, Tier.BASIC, 1000)).state
+    attempted = attempt(after, 1.5, Tier.BASIC, 1000).state
     assert attempt_prediction(after, attempted) is None
 
 
@@ -82,19 +82,19 @@ def test_each_poll_and_each_judged_attempt_gives_its_own_prediction() -> None:
     second = poll(first, 2.0)
     assert poll_prediction(first, second) is second.predictive.last_cap  # type: ignore[union-attr]
     # An attempt is not a poll: it makes a verdict, not a cap.
-    attempted = apply_guard_event(second, SlotRequested(2.5, Tier.BASIC, 1000)).state
+    attempted = attempt(second, 2.5, Tier.BASIC, 1000).state
     assert poll_prediction(second, attempted) is None
     verdict = attempt_prediction(second, attempted)
     assert verdict is not None
     # The same question asked again is judged again: a new verdict, even if equal.
-    again = apply_guard_event(attempted, SlotRequested(2.5, Tier.BASIC, 1000)).state
+    again = attempt(attempted, 2.5, Tier.BASIC, 1000).state
     assert attempt_prediction(attempted, again) is again.verdict
 
 
 def test_a_failed_poll_and_a_refusal_by_the_gate_make_none() -> None:
     start = state_for("predictive")
     # Before any metrics the gate refuses at once; the learner is not asked.
-    refused = apply_guard_event(start, SlotRequested(0.5, Tier.BASIC, 1000))
+    refused = attempt(start, 0.5, Tier.BASIC, 1000)
     assert refused.outcome is not None
     assert attempt_prediction(start, refused.state) is None
     good = poll(start, 1.0)

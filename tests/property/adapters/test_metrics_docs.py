@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
+
+from tests.load_tool import load_tool
 
 ROOT = Path(__file__).parents[3]
 
 
 def load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "gen_metrics_docs", ROOT / "tools/gen_metrics_docs.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("gen_metrics_docs")
 
 
 def test_observability_reference_is_up_to_date() -> None:

@@ -1,4 +1,5 @@
-"""The recording format: round trips, malformed lines, gzip, redaction, family filtering."""
+"""The recording format: round trips of the core's request events and of the poll records,
+older versions read as the same events, malformed lines, gzip, redaction, family filtering."""
 
 from __future__ import annotations
 
@@ -11,17 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from guard_adapters.recording import (
-    Arrival,
-    Completion,
+    VERSION,
     Decision,
     Explanation,
-    FirstToken,
-    Gone,
     Header,
-    Outcome,
     Record,
     RecordingError,
-    Retry,
     Scrape,
     ScrapeFailed,
     decode_line,
@@ -32,6 +28,23 @@ from guard_adapters.recording import (
     read_records,
     redact,
 )
+from guard_core import (
+    Abandoned,
+    Arrived,
+    Binding,
+    Finished,
+    FirstToken,
+    Forwarded,
+    Refused,
+    RejectCode,
+    RequestEvent,
+    Retried,
+    Tier,
+)
+from tests.load_tool import load_tool
+
+ROOT = Path(__file__).parents[3]
+EXAMPLE = ROOT / "tests/fixtures/recordings/example-vllm-overload.jsonl.gz"
 
 times = st.floats(0, 1e6, allow_nan=False)
 ids = st.integers(0, 2**40)
@@ -59,28 +72,6 @@ records = st.one_of(
     ),
     st.builds(ScrapeFailed, at=times, poll=st.integers(0, 10**6), backend=texts, error=texts),
     st.builds(
-        Arrival,
-        at=times,
-        id=ids,
-        tier=st.sampled_from(["basic", "premium"]),
-        path=texts,
-        body_bytes=st.none() | st.integers(0, 2**31),
-    ),
-    st.builds(Retry, at=times, id=ids),
-    st.builds(Gone, at=times, id=ids),
-    st.builds(
-        Outcome,
-        at=times,
-        id=ids,
-        outcome=st.sampled_from(["forwarded", "rejected"]),
-        code=st.none() | texts,
-        waited_s=st.floats(0, 1, allow_nan=False),
-        retry_after_s=st.none() | st.integers(1, 30),
-        binding=st.none() | st.sampled_from(["none", "predicted_speed", "predicted_ttft"]),
-    ),
-    st.builds(FirstToken, at=times, id=ids, seconds=st.floats(0, 100, allow_nan=False)),
-    st.builds(Completion, at=times, id=ids, status=st.integers(0, 599)),
-    st.builds(
         Decision,
         at=times,
         poll=st.integers(0, 10**6),
@@ -93,8 +84,37 @@ records = st.one_of(
     ),
 )
 
+request_events = st.one_of(
+    st.builds(
+        Arrived,
+        at=times,
+        request_id=ids,
+        tier=st.sampled_from(Tier),
+        body_bytes=st.none() | st.integers(0, 2**31),
+        path=texts,
+    ),
+    st.builds(Retried, at=times, request_id=ids),
+    st.builds(Abandoned, at=times, request_id=ids),
+    st.builds(Forwarded, at=times, request_id=ids),
+    st.builds(
+        Refused,
+        at=times,
+        request_id=ids,
+        code=st.none() | st.sampled_from(RejectCode),
+        retry_after_s=st.none() | st.integers(1, 30),
+        binding=st.none() | st.sampled_from(Binding),
+    ),
+    st.builds(
+        FirstToken,
+        at=times,
+        request_id=ids,
+        seconds=st.floats(0, 100, allow_nan=False),
+    ),
+    st.builds(Finished, at=times, request_id=ids, status=st.integers(0, 599)),
+)
 
-@given(records)
+
+@given(records | request_events)
 def test_every_record_round_trips(record: Record) -> None:
     line = encode(record)
     assert line.endswith(b"\n")
@@ -102,39 +122,112 @@ def test_every_record_round_trips(record: Record) -> None:
     assert decode_line(line, line_no=7) == record
 
 
-def test_version_2_fields_are_written_only_when_set() -> None:
-    """A recording made with PIG's learner keeps its version-1 lines; the predictive
-    learner's explanation and predicted Retry-After appear only when there is one."""
-    plain = Outcome(at=1.0, id=3, outcome="rejected", code="global_dynamic_limit")
+@given(st.lists(request_events, max_size=30))
+def test_a_stream_of_request_events_round_trips_through_json_lines(
+    events: list[RequestEvent],
+) -> None:
+    """events -> cattrs -> JSON lines -> events: the recording is the stream the core applied."""
+    lines = [encode(Header()), *(encode(event) for event in events)]
+    items = list(read_records(b"".join(lines).splitlines(keepends=True), strict=True))
+    assert items == [Header(), *events]
+
+
+def test_a_request_line_is_the_event_with_its_kind() -> None:
+    line = encode(Arrived(at=1.5, request_id=7, tier=Tier.PREMIUM, body_bytes=12, path="/x"))
+    assert line == (
+        b'{"at":1.5,"request_id":7,"tier":"premium","body_bytes":12,"path":"/x","kind":"arrived"}\n'
+    )
+    assert encode(Finished(at=2.0, request_id=7, status=499)) == (
+        b'{"at":2.0,"request_id":7,"status":499,"kind":"finished"}\n'
+    )
+
+
+def test_optional_fields_are_written_only_when_set() -> None:
+    """A refusal under PIG's learner has no predicted Retry-After or binding, a decision no
+    explanation; the predictive learner's appear only when there is one."""
+    plain = Refused(at=1.0, request_id=3, code=RejectCode.GLOBAL_DYNAMIC_LIMIT)
     assert b"retry_after_s" not in encode(plain)
     assert b"binding" not in encode(plain)
     assert b"predicted" not in encode(Decision(at=1.0, poll=0, cap=4, state="green", reason="x"))
-    refused = Outcome(at=1.0, id=3, outcome="rejected", retry_after_s=4, binding="predicted_kv")
+    refused = Refused(at=1.0, request_id=3, retry_after_s=4, binding=Binding.KV)
     assert b'"retry_after_s":4,"binding":"predicted_kv"' in encode(refused)
 
 
-def test_version_1_lines_read_with_the_new_fields_empty() -> None:
-    outcome = decode_line(
+def version_1(*lines: bytes) -> list[object]:
+    header = b'{"kind":"header","format":"inference-guard-recording","version":1}'
+    return list(read_records([header, *lines], strict=True))
+
+
+def test_version_1_lines_read_as_the_request_events() -> None:
+    items = version_1(
+        b'{"kind":"arrival","at":1.0,"id":9,"tier":"premium","path":"/v1/x","body_bytes":40}',
+        b'{"kind":"retry","at":1.1,"id":9}',
         b'{"kind":"outcome","at":2.5,"id":9,"outcome":"rejected","code":"tier_priority",'
         b'"waited_s":0.5}',
-        line_no=4,
-    )
-    assert outcome == Outcome(at=2.5, id=9, outcome="rejected", code="tier_priority", waited_s=0.5)
-    assert isinstance(outcome, Outcome)
-    assert (outcome.retry_after_s, outcome.binding) == (None, None)
-    decision = decode_line(
+        b'{"kind":"arrival","at":3.0,"id":10,"tier":"basic"}',
+        b'{"kind":"gone","at":3.1,"id":10}',
+        b'{"kind":"arrival","at":4.0,"id":11,"tier":"basic"}',
+        b'{"kind":"outcome","at":4.0,"id":11,"outcome":"forwarded","waited_s":0.0}',
+        b'{"kind":"first_token","at":4.5,"id":11,"seconds":0.5}',
+        b'{"kind":"completion","at":5.0,"id":11,"status":200}',
         b'{"kind":"decision","at":1.0,"poll":0,"cap":4,"state":"green","reason":"none",'
         b'"yellow":[],"red":[],"source":"metrics"}',
-        line_no=5,
     )
-    assert isinstance(decision, Decision)
-    assert decision.predicted is None
-    header = decode_line(
-        b'{"kind":"header","format":"inference-guard-recording","version":1}', line_no=1
-    )
+    header = items[0]
     assert isinstance(header, Header)
     assert header.version == 1
-    assert Header().version == 2
+    assert items[1:-1] == [
+        Arrived(at=1.0, request_id=9, tier=Tier.PREMIUM, body_bytes=40, path="/v1/x"),
+        Retried(at=1.1, request_id=9),
+        Refused(at=2.5, request_id=9, code=RejectCode.TIER_PRIORITY),
+        Arrived(at=3.0, request_id=10, tier=Tier.BASIC),
+        Abandoned(at=3.1, request_id=10),
+        Arrived(at=4.0, request_id=11, tier=Tier.BASIC),
+        Forwarded(at=4.0, request_id=11),
+        FirstToken(at=4.5, request_id=11, seconds=0.5),
+        Finished(at=5.0, request_id=11, status=200),
+    ]
+    decision = items[-1]
+    assert isinstance(decision, Decision)
+    assert decision.predicted is None
+    assert Header().version == VERSION == 3
+
+
+def test_version_2_refusals_keep_their_retry_after_and_binding() -> None:
+    header = b'{"kind":"header","format":"inference-guard-recording","version":2}'
+    line = (
+        b'{"kind":"outcome","at":1.0,"id":3,"outcome":"rejected","code":"global_dynamic_limit",'
+        b'"waited_s":0.0,"retry_after_s":4,"binding":"predicted_kv"}'
+    )
+    items = list(read_records([header, line], strict=True))
+    assert items[1] == Refused(
+        at=1.0,
+        request_id=3,
+        code=RejectCode.GLOBAL_DYNAMIC_LIMIT,
+        retry_after_s=4,
+        binding=Binding.KV,
+    )
+
+
+def test_the_example_tool_writes_the_events_the_version_1_example_reads_as(
+    tmp_path: Path,
+) -> None:
+    """tools/make_example_recording.py, run today, writes the example in the current format:
+    line for line the same events as the committed version-1 file reads as."""
+    tool = load_tool("make_example_recording")
+    out = tmp_path / "example.jsonl.gz"
+    tool.OUT = out  # type: ignore[attr-defined]
+    tool.ROOT = tmp_path  # type: ignore[attr-defined]
+    tool.main()
+    with open_for_reading(out) as fresh, open_for_reading(EXAMPLE) as committed:
+        now, then = (
+            list(read_records(fresh, strict=True)),
+            list(read_records(committed, strict=True)),
+        )
+    assert isinstance(now[0], Header)
+    assert isinstance(then[0], Header)
+    assert (now[0].version, then[0].version) == (VERSION, 1)
+    assert now[1:] == then[1:]
 
 
 def test_header_round_trips_and_comes_first() -> None:
@@ -151,12 +244,15 @@ def test_header_round_trips_and_comes_first() -> None:
         (b"not json", "not JSON"),
         (b"[1, 2]", "not a JSON object"),
         (b'{"kind": "nope", "at": 1}', "unknown kind 'nope'"),
-        (b'{"kind": "retry", "id": 3}', "missing or non-numeric 'at'"),
-        (b'{"kind": "retry", "at": "soon", "id": 3}', "missing or non-numeric 'at'"),
-        (b'{"kind": "retry", "at": NaN, "id": 3}', "missing or non-numeric 'at'"),
-        (b'{"kind": "retry", "at": 1, "id": "x"}', "bad 'retry' record"),
-        (b'{"kind": "retry", "at": 1, "id": 3, "extra": 1}', "bad 'retry' record"),
+        (b'{"kind": "retried", "request_id": 3}', "missing or non-numeric 'at'"),
+        (b'{"kind": "retried", "at": "soon", "request_id": 3}', "missing or non-numeric 'at'"),
+        (b'{"kind": "retried", "at": NaN, "request_id": 3}', "missing or non-numeric 'at'"),
+        (b'{"kind": "retried", "at": 1, "request_id": "x"}', "bad 'retried' record"),
+        (b'{"kind": "retried", "at": 1, "request_id": 3, "extra": 1}', "bad 'retried' record"),
+        (b'{"kind": "arrived", "at": 1, "request_id": 3, "tier": "gold"}', "bad 'arrived' record"),
         (b'{"kind": "scrape", "at": 1, "poll": 0}', "bad 'scrape' record"),
+        # A version-1 kind in a current recording, and the other way round.
+        (b'{"kind": "retry", "at": 1, "id": 3}', "unknown kind 'retry'"),
     ],
 )
 def test_malformed_lines_name_the_line_and_the_reason(line: bytes, reason: str) -> None:
@@ -167,19 +263,36 @@ def test_malformed_lines_name_the_line_and_the_reason(line: bytes, reason: str) 
     assert str(caught.value).startswith("run.jsonl:42: ")
 
 
-@given(st.binary(max_size=200))
-def test_arbitrary_bytes_never_raise_anything_else(line: bytes) -> None:
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (b'{"kind": "retried", "at": 1, "request_id": 3}', "unknown kind 'retried'"),
+        (b'{"kind": "retry", "at": 1, "id": "x"}', "bad 'retry' record"),
+        (b'{"kind": "retry", "at": 1, "id": 3, "extra": 1}', "bad 'retry' record"),
+        (b'{"kind": "outcome", "at": 1, "id": 3, "outcome": "rejected", "code": "?"}',
+         "bad 'outcome' record"),
+    ],
+)  # fmt: skip
+def test_malformed_version_1_lines_name_the_line_and_the_reason(line: bytes, reason: str) -> None:
+    with pytest.raises(RecordingError) as caught:
+        decode_line(line, line_no=42, source="run.jsonl", version=1)
+    assert caught.value.line_no == 42
+    assert reason in str(caught.value)
+
+
+@given(st.binary(max_size=200), st.sampled_from([1, 2, VERSION]))
+def test_arbitrary_bytes_never_raise_anything_else(line: bytes, version: int) -> None:
     with contextlib.suppress(RecordingError):
-        decode_line(line, line_no=1)
+        decode_line(line, line_no=1, version=version)
 
 
 def test_reading_skips_bad_lines_unless_strict() -> None:
-    lines = [encode(Header()), b"garbage\n", b"\n", encode(Retry(at=1.0, id=1))]
+    lines = [encode(Header()), b"garbage\n", b"\n", encode(Retried(at=1.0, request_id=1))]
     items = list(read_records(lines))
     assert isinstance(items[0], Header)
     assert isinstance(items[1], RecordingError)
     assert items[1].line_no == 2
-    assert items[2] == Retry(at=1.0, id=1)
+    assert items[2] == Retried(at=1.0, request_id=1)
     with pytest.raises(RecordingError):
         list(read_records(lines, strict=True))
 
@@ -189,8 +302,8 @@ def test_files_round_trip_plain_and_gzip(tmp_path: Path, name: str) -> None:
     path = tmp_path / name
     written: list[Record | Header] = [
         Header(),
-        Retry(at=0.5, id=1),
-        Completion(at=1.5, id=1, status=200),
+        Retried(at=0.5, request_id=1),
+        Finished(at=1.5, request_id=1, status=200),
     ]
     with open_for_writing(path) as out:
         for record in written:

@@ -12,12 +12,8 @@ import pytest
 from guard_adapters.config import load_config
 from guard_adapters.explain import explanation
 from guard_adapters.recording import (
-    Arrival,
-    Completion,
     Decision,
-    FirstToken,
     Header,
-    Outcome,
     Record,
     RecordingError,
     Scrape,
@@ -28,7 +24,19 @@ from guard_adapters.recording import (
     read_records,
 )
 from guard_adapters.replay import replay, summarise
-from guard_core import DecisionSource, GuardConfig, LimitReason, PolicyConfig
+from guard_core import (
+    Arrived,
+    Binding,
+    DecisionSource,
+    Finished,
+    FirstToken,
+    Forwarded,
+    GuardConfig,
+    LimitReason,
+    PolicyConfig,
+    Refused,
+    Tier,
+)
 
 EXAMPLE = Path(__file__).parents[2] / "fixtures/recordings/example-vllm-overload.jsonl.gz"
 
@@ -138,22 +146,24 @@ def scrape(at: float, poll: int, **figures: Any) -> Scrape:
 def test_replay_gives_the_learner_each_body_size_and_first_token_by_request() -> None:
     records: list[Record] = [
         scrape(1.0, 0, running=0, generated=0, prompt=0),
-        Arrival(at=1.5, id=7, tier="basic", path="/v1/chat/completions", body_bytes=4000),
-        Outcome(at=1.5, id=7, outcome="forwarded"),
+        Arrived(
+            at=1.5, request_id=7, tier=Tier.BASIC, path="/v1/chat/completions", body_bytes=4000
+        ),
+        Forwarded(at=1.5, request_id=7),
     ]
     model = replay(records, PREDICTIVE).state.predictive  # type: ignore[union-attr]
     assert model is not None
     assert model.requests[7].body_bytes == 4000
     assert (model.pending_count, model.pending_tokens) == (1, 1000.0)  # 4 bytes per token
-    records.append(FirstToken(at=2.0, id=7, seconds=0.5))
+    records.append(FirstToken(at=2.0, request_id=7, seconds=0.5))
     model = replay(records, PREDICTIVE).state.predictive  # type: ignore[union-attr]
     assert model is not None
     assert (model.pending_count, model.decoders) == (0, 1)
     assert model.requests[7].first_at == 2.0
     # A first token for a request the replay never forwarded changes nothing.
-    records.append(FirstToken(at=2.1, id=8, seconds=0.5))
+    records.append(FirstToken(at=2.1, request_id=8, seconds=0.5))
     assert replay(records, PREDICTIVE).state.predictive == model  # type: ignore[union-attr]
-    records.append(Completion(at=3.0, id=7, status=200))
+    records.append(Finished(at=3.0, request_id=7, status=200))
     model = replay(records, PREDICTIVE).state.predictive  # type: ignore[union-attr]
     assert model is not None
     assert (model.decoders, dict(model.requests)) == (0, {})
@@ -240,9 +250,7 @@ def test_a_recorded_retry_after_the_replay_does_not_predict_is_an_outcome_differ
 ) -> None:
     baseline = replay(records, PREDICTIVE).differing_outcomes
     odd = [
-        attrs.evolve(r, retry_after_s=999, binding="predicted_kv")
-        if isinstance(r, Outcome) and r.outcome == "rejected"
-        else r
+        attrs.evolve(r, retry_after_s=999, binding=Binding.KV) if isinstance(r, Refused) else r
         for r in records
     ]
     result = replay(odd, PREDICTIVE)

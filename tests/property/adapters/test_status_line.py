@@ -31,18 +31,21 @@ from guard_adapters.status_line import (
 )
 from guard_core import (
     Admitted,
+    Arrived,
     BackendPoll,
     BackendSample,
-    FirstTokenObserved,
+    Finished,
+    FirstToken,
+    Forwarded,
     GuardState,
     MetricsPolled,
     Queued,
     Rejected,
-    SlotRequested,
+    Retried,
     Tier,
-    WaitRetried,
     apply_guard_event,
 )
+from tests.core_steps import attempt, with_first_tokens
 
 METRICS_URL = "http://vllm:8000/metrics"
 TWO_BACKENDS = "a=http://a:8000|http://a:8000/metrics,b=http://b:8000|http://b:8000/metrics"
@@ -270,8 +273,15 @@ def test_red_reasons_replace_yellow_ones() -> None:
 
 def test_ttft_fields_with_semantic_samples() -> None:
     state = healthy_state()
-    for _ in range(3):
-        state = apply_guard_event(state, FirstTokenObserved(2.5, 0.3)).state
+    for request_id in (1, 2, 3):  # three streams, each 0.3 s from arrival to first token
+        for event in (
+            Arrived(at=2.2, request_id=request_id, tier=Tier.BASIC),
+            Forwarded(at=2.2, request_id=request_id),
+            FirstToken(at=2.5, request_id=request_id, seconds=0.3),
+            Finished(at=2.6, request_id=request_id, status=200),
+        ):
+            state = apply_guard_event(state, event).state
+    assert not state.requests
     state = polled(state, 3.0, backend1=sample(tokens=1800))
     text = line(state)
     assert " ttft_p95=0.50 ttft_p99=0.50 ttft_src=semantic preempt=0}" in text
@@ -307,7 +317,7 @@ def test_status_in_static_mode() -> None:
 def test_tier_part_uses_the_published_cap_and_live_counts() -> None:
     state = healthy_state()  # cap 50
     for tier in (Tier.PREMIUM, Tier.BASIC, Tier.BASIC):
-        step = apply_guard_event(state, SlotRequested(2.5, tier))
+        step = attempt(state, 2.5, tier)
         assert isinstance(step.outcome, Admitted)
         state = step.state
     got = fields(line(state))
@@ -320,11 +330,12 @@ def test_tier_part_uses_the_published_cap_and_live_counts() -> None:
 
 def test_reject_counts_come_from_the_core() -> None:
     state = polled(healthy_state(), 3.0, backend1=sample(waiting=1, tokens=1800))
-    step = apply_guard_event(state, SlotRequested(3.1, Tier.BASIC))
+    step = attempt(state, 3.1, Tier.BASIC)
     queued = step.outcome
     assert isinstance(queued, Queued)  # intake is closed, so the request waits briefly
     assert fields(line(step.state))["tier_waiting"] == "1/0"
-    step = apply_guard_event(step.state, WaitRetried(queued.deadline, queued))
+    (request_id,) = step.state.requests
+    step = apply_guard_event(step.state, Retried(at=queued.deadline, request_id=request_id))
     assert isinstance(step.outcome, Rejected)
     got = fields(line(step.state, counts=RuntimeCounts(tier_reject_delta=(1, 0))))
     assert got["reject"] == "1"
@@ -389,8 +400,7 @@ def test_status_line_layout_for_any_samples(
     for poll_sample in rounds:
         at += data.draw(st.floats(0.1, 5))
         for _ in range(data.draw(st.integers(0, 3))):
-            seconds = data.draw(st.floats(0, 40))
-            state = apply_guard_event(state, FirstTokenObserved(at, seconds)).state
+            state = with_first_tokens(state, data.draw(st.floats(0, 40)))
         state = polled(state, at, backend1=poll_sample)
     text = line(state)
     assert "\n" not in text

@@ -2,11 +2,11 @@
 
 ``test_gate_machine.py`` drives :func:`guard_core.gate.apply` and counts slots per tier. This
 machine goes one level up, through :func:`guard_core.apply_guard_event`, the reducer the trio
-engine uses, and models each request as the engine handles it: arrival (``SlotRequested``), a
-short wait (``WaitRetried`` on a wake-up, a broadcast after every release, or the deadline),
-a client that leaves while waiting (``WaitAbandoned``), an admitted request that is forwarded
-(``PrefillStarted``) and later ends by completing, by an upstream failure or by its client
-leaving (``SlotReleased`` then ``PrefillEnded``, as ``Slot.release`` sends them), first tokens of
+engine uses, and sends each request's events as the engine sends them: arrival (``Arrived``),
+a short wait (``Retried`` on a wake-up, a broadcast after every release, or the deadline), a
+client that leaves while waiting (``Abandoned``), an admitted request that is forwarded
+(``Forwarded``) and later ends by completing, by an upstream failure or by its client leaving
+(one ``Finished``, which gives the slot back and ends the prefill grace), first tokens of
 streams, and cap changes (``DecisionPublished`` and failed polls).
 
 The model keeps the set of requests whose upstream exchange is live. After every step:
@@ -16,7 +16,8 @@ The model keeps the set of requests whose upstream exchange is live. After every
   published cap in dynamic mode); a lower cap published later evicts nobody;
 - the prefill ledger holds exactly the live requests, and the learner's dynamic-refusal count
   grows only on final 429s with a dynamic code (never while waiting, never on a departure);
-- releasing a slot that is not held is refused and leaves the state as it was.
+- the core's request table holds exactly the live requests and the waiters;
+- an end of a request that holds no slot (unknown, waiting, or already ended) changes nothing.
 At teardown every waiter reaches its deadline and every live request ends: all back to zero.
 """
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import math
 
 import attrs
-import pytest
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -37,35 +37,34 @@ from hypothesis.stateful import (
 )
 
 from guard_core import (
+    Abandoned,
     Admitted,
+    Arrived,
     BackendPoll,
     DecisionPublished,
     DecisionSource,
-    FirstTokenObserved,
+    Finished,
+    FirstToken,
+    Forwarded,
     GateConfig,
     GuardConfig,
+    GuardEvent,
     GuardState,
-    InvalidObservation,
     LimitReason,
     LoadState,
     MetricsPolled,
-    PrefillEnded,
-    PrefillStarted,
     PublishedDecision,
     Queued,
     RejectCode,
     Rejected,
-    SlotReleased,
-    SlotRequested,
+    RequestEvent,
+    Retried,
     StateReason,
     Tier,
-    WaitAbandoned,
-    WaitRetried,
     apply_guard_event,
     basic_limit,
     current_limit,
 )
-from guard_core.guard import GuardEvent
 
 _DYNAMIC_CODES = frozenset(
     {RejectCode.GLOBAL_DYNAMIC_LIMIT, RejectCode.TIER_PRIORITY, RejectCode.TIER_BASIC_LIMIT}
@@ -155,7 +154,7 @@ class GuardInterleavings(RuleBasedStateMachine):
                 assert gate.premium_waiting == 0
                 assert gate.basic_inflight + 1 <= basic_limit(limit, gate.premium_inflight)
             # The engine forwards it at once: its prefill grace starts now.
-            self._apply(PrefillStarted(self.now, request_id, None))
+            self._apply(Forwarded(at=self.now, request_id=request_id))
             self.live.append(LiveRequest(request_id, tier, request_id % 2 == 0, arrived_at))
             event(f"admitted {tier}")
         elif isinstance(outcome, Queued):
@@ -171,7 +170,7 @@ class GuardInterleavings(RuleBasedStateMachine):
 
     def _retry(self, waiter: Waiter, at: float) -> None:
         before = self.state
-        outcome = self._apply(WaitRetried(at, waiter.queued))
+        outcome = self._apply(Retried(at=at, request_id=waiter.request_id))
         if at >= waiter.queued.deadline:
             assert not isinstance(outcome, Queued), "a waiter at its deadline must get an end"
         self._attempt_ended(
@@ -179,9 +178,11 @@ class GuardInterleavings(RuleBasedStateMachine):
         )
 
     def _end(self, live: LiveRequest, how: str) -> None:
-        """``Slot.release``: the slot, then the prefill grace; then every waiter wakes up."""
-        self._apply(SlotReleased(self.now, live.tier))
-        self._apply(PrefillEnded(self.now, live.request_id))
+        """``Slot.release``: one event ends the slot and the prefill grace together."""
+        before = self.state
+        self._apply(Finished(at=self.now, request_id=live.request_id, status=_ENDINGS[how]))
+        assert self.state.gate.inflight_of(live.tier) == before.gate.inflight_of(live.tier) - 1
+        assert live.request_id not in {rid for rid, _ in self.state.learner.prefill}
         self.ended += 1
         event(f"ended: {how} ({_ENDINGS[how]})")
 
@@ -192,7 +193,7 @@ class GuardInterleavings(RuleBasedStateMachine):
         self.ids += 1
         self.arrivals += 1
         before = self.state
-        outcome = self._apply(SlotRequested(self.now, tier))
+        outcome = self._apply(Arrived(at=self.now, request_id=self.ids, tier=tier))
         self._attempt_ended(before, outcome, self.ids, tier, self.now)
 
     @precondition(lambda self: self.waiters)
@@ -213,7 +214,7 @@ class GuardInterleavings(RuleBasedStateMachine):
     @rule(index=st.integers(0, 100))
     def client_gone_while_waiting(self, index: int) -> None:
         waiter = self.waiters.pop(index % len(self.waiters))
-        outcome = self._apply(WaitAbandoned(self.now, waiter.queued))
+        outcome = self._apply(Abandoned(at=self.now, request_id=waiter.request_id))
         assert outcome is None
         self.ended += 1
 
@@ -230,7 +231,8 @@ class GuardInterleavings(RuleBasedStateMachine):
         streams = [r for r in self.live if r.streaming and not r.first_token]
         live = streams[index % len(streams)]
         live.first_token = True
-        self._apply(FirstTokenObserved(self.now, self.now - live.arrived_at))
+        seconds = self.now - live.arrived_at
+        self._apply(FirstToken(at=self.now, request_id=live.request_id, seconds=seconds))
 
     @precondition(lambda self: self.state.config.gate.dynamic)
     @rule(cap=st.integers(0, 8), state=st.sampled_from(LoadState), unavailable=st.booleans())
@@ -249,13 +251,16 @@ class GuardInterleavings(RuleBasedStateMachine):
         )
         assert self.state.gate.inflight == held
 
-    @rule(tier=st.sampled_from(Tier))
-    def stray_release_is_refused(self, tier: Tier) -> None:
-        if any(r.tier is tier for r in self.live):
-            return
+    @rule(pick=st.integers(0, 100), status=st.sampled_from(sorted(_ENDINGS.values())))
+    def stray_end_changes_nothing(self, pick: int, status: int) -> None:
+        """An end of a request that holds no slot: one never seen, a waiter, or one ended."""
+        live = {r.request_id for r in self.live}
+        strays = [0, self.ids + 1, *(w.request_id for w in self.waiters)]
+        strays += [rid for rid in range(1, self.ids + 1) if rid not in live]
+        request_id = strays[pick % len(strays)]
         before = self.state
-        with pytest.raises(InvalidObservation):
-            apply_guard_event(before, SlotReleased(self.now, tier))
+        stray: RequestEvent = Finished(at=self.now, request_id=request_id, status=status)
+        assert apply_guard_event(before, stray).state == before
         assert self.state is before
 
     @rule(seconds=st.floats(0.001, 0.6))
@@ -285,6 +290,15 @@ class GuardInterleavings(RuleBasedStateMachine):
         assert held == sorted(r.request_id for r in self.live)
 
     @invariant()
+    def request_table_holds_the_live_requests_and_the_waiters(self) -> None:
+        requests = self.state.requests
+        assert sorted(requests) == sorted(
+            [r.request_id for r in self.live] + [w.request_id for w in self.waiters]
+        )
+        for waiter in self.waiters:
+            assert requests[waiter.request_id].queued is not None
+
+    @invariant()
     def dynamic_refusals_counted_on_final_429s_only(self) -> None:
         assert self.state.learner.dynamic_rejects == self.dynamic_refusals
 
@@ -302,6 +316,7 @@ class GuardInterleavings(RuleBasedStateMachine):
         gate = self.state.gate
         assert (gate.inflight, gate.waiting) == (0, 0)
         assert self.state.learner.prefill == ()
+        assert dict(self.state.requests) == {}
         assert self.arrivals == self.ended
 
 

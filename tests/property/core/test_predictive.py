@@ -12,10 +12,13 @@ from hypothesis import strategies as st
 
 from guard_core import (
     Admitted,
+    Arrived,
     BackendPoll,
     BackendSample,
     Binding,
+    Finished,
     Flavour,
+    Forwarded,
     GateConfig,
     GuardConfig,
     GuardState,
@@ -24,11 +27,8 @@ from guard_core import (
     MetricsPolled,
     PolicyConfigError,
     PredictiveConfig,
-    PrefillEnded,
-    PrefillStarted,
     Queued,
     Rejected,
-    SlotRequested,
     Tier,
     apply_guard_event,
 )
@@ -231,11 +231,12 @@ def test_the_guard_publishes_the_predictive_cap_and_refuses_with_retry_after() -
     # Fill the engine until the learner refuses; the refusal names a Retry-After.
     outcome: object = None
     for rid in range(1, 2000):
-        step = apply_guard_event(state, SlotRequested(12.0, Tier.PREMIUM, body_bytes=40_000))
+        arrived = Arrived(at=12.0, request_id=rid, tier=Tier.PREMIUM, body_bytes=40_000)
+        step = apply_guard_event(state, arrived)
         state, outcome = step.state, step.outcome
         if not isinstance(outcome, Admitted):
             break
-        state = apply_guard_event(state, PrefillStarted(12.0, rid, 40_000)).state
+        state = apply_guard_event(state, Forwarded(at=12.0, request_id=rid)).state
     assert isinstance(outcome, Queued | Rejected)
     if isinstance(outcome, Rejected):
         assert outcome.retry_after_s is not None
@@ -245,11 +246,12 @@ def test_the_guard_publishes_the_predictive_cap_and_refuses_with_retry_after() -
 def test_pig_is_the_default_and_carries_no_predictive_state() -> None:
     state = GuardState.initial(GuardConfig(), at=0.0)
     assert state.predictive is None
-    step = apply_guard_event(state, SlotRequested(0.0, Tier.BASIC, body_bytes=100))
+    arrived = Arrived(at=0.0, request_id=1, tier=Tier.BASIC, body_bytes=100)
+    step = apply_guard_event(state, arrived)
     assert isinstance(step.outcome, Rejected)
     assert step.outcome.retry_after_s is None
-    state = apply_guard_event(step.state, PrefillStarted(0.0, 1, 100)).state
-    assert apply_guard_event(state, PrefillEnded(0.0, 1)).state.predictive is None
+    state = apply_guard_event(step.state, Forwarded(at=0.0, request_id=1)).state
+    assert apply_guard_event(state, Finished(at=0.0, request_id=1)).state.predictive is None
 
 
 def test_learning_without_enforcing_never_refuses() -> None:
@@ -258,10 +260,12 @@ def test_learning_without_enforcing_never_refuses() -> None:
     )
     state = GuardState.initial(config, at=0.0)
     for rid in range(64):
-        step = apply_guard_event(state, SlotRequested(0.0, Tier.PREMIUM, body_bytes=400_000))
+        arrived = Arrived(at=0.0, request_id=rid, tier=Tier.PREMIUM, body_bytes=400_000)
+        step = apply_guard_event(state, arrived)
         assert isinstance(step.outcome, Admitted)
-        state = apply_guard_event(step.state, PrefillStarted(0.0, rid, 400_000)).state
-    step = apply_guard_event(state, SlotRequested(0.0, Tier.PREMIUM, body_bytes=400))
+        state = apply_guard_event(step.state, Forwarded(at=0.0, request_id=rid)).state
+    arrived = Arrived(at=0.0, request_id=64, tier=Tier.PREMIUM, body_bytes=400)
+    step = apply_guard_event(state, arrived)
     assert isinstance(step.outcome, Queued)  # only GLOBAL_LIMIT holds it
     assert str(step.outcome.code) == "global_limit"
     assert state.predictive is not None

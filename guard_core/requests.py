@@ -1,0 +1,257 @@
+"""The request path of the guard: each request event applied whole, in one step.
+
+Reads: one :mod:`guard_core.events` value and the guard's state, whose ``requests`` table this
+module alone changes.
+Guarantees:
+- the table holds exactly the requests that wait for a slot or hold one; the gate's in-flight
+  and waiting counts always match it (a slot never leaks, whatever the order of events);
+- one event is one step: :class:`~guard_core.events.Finished` gives the slot back *and* ends
+  the prefill grace; an attempt is judged by the gate and, under the predictive learner, by
+  its predictions, with the refusal counted for the learner, all together;
+- an event that does not fit the table (an unknown or finished request, a retry of a request
+  that does not wait) changes nothing; this is how a replay under other settings follows its
+  own outcomes: a request it refused never runs, and a recorded end of a wait it still has
+  ends that wait at its deadline;
+- a recorded refusal of a request this state admitted ends it at once (nothing is known of
+  how long it would have run); a live runtime only sends one after the core refused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from guard_core import gate as gate_rules
+from guard_core import predictive as predictive_rules
+from guard_core._values import replace
+from guard_core.decision import Admission, Admitted, Queued, RejectCode, Rejected
+from guard_core.evaluation import observe_first_token
+from guard_core.events import (
+    Abandoned,
+    Arrived,
+    Finished,
+    FirstToken,
+    Refused,
+    RequestEvent,
+    Retried,
+)
+from guard_core.predictive import Prediction
+from guard_core.prefill_guard import grace_s
+from guard_core.tier import Tier, premium_reserved
+
+if TYPE_CHECKING:
+    from guard_core.guard import GuardState
+
+__all__ = ("Tracked", "apply")
+
+_DYNAMIC_REJECTS = frozenset(
+    {RejectCode.GLOBAL_DYNAMIC_LIMIT, RejectCode.TIER_PRIORITY, RejectCode.TIER_BASIC_LIMIT}
+)
+
+_Step = tuple["GuardState", Admission | None]
+
+
+@attrs.frozen(kw_only=True)
+class Tracked:
+    """One request the guard knows: waiting (``queued`` set) or holding a slot."""
+
+    tier: Tier
+    arrived_at: float
+    body_bytes: int | None = None
+    queued: Queued | None = None
+    forwarded: bool = False
+
+
+def _with(
+    state: GuardState, request_id: int, tracked: Tracked | None, **changes: Any
+) -> GuardState:
+    """``state`` with the request filed as ``tracked`` (or forgotten) and ``changes``: one
+    copy of the state per event."""
+    requests = dict(state.requests)
+    if tracked is None:
+        requests.pop(request_id, None)
+    else:
+        requests[request_id] = tracked
+    return replace(state, requests=requests, **changes)
+
+
+# -- attempts ----------------------------------------------------------------------------------
+
+
+def _waited(
+    event: gate_rules.SlotRequested | gate_rules.WaitRetried,
+) -> tuple[float, Tier, int | None]:
+    if isinstance(event, gate_rules.SlotRequested):
+        return 0.0, event.tier, event.body_bytes
+    queued = event.queued
+    arrived = queued.arrived_at if queued.arrived_at is not None else event.at
+    return max(0.0, event.at - arrived), queued.tier, queued.body_bytes
+
+
+def _predictive_attempt(
+    state: GuardState, event: gate_rules.SlotRequested | gate_rules.WaitRetried
+) -> tuple[gate_rules.GateStep, Prediction | None]:
+    """The gate's counts first; what they admit must also pass the learner's predictions."""
+    predictive = state.predictive
+    assert predictive is not None
+    gate = state.gate
+    step = gate_rules.apply(gate, event)
+    if isinstance(step.outcome, Admitted):
+        waited, tier, body_bytes = _waited(event)
+        limit, _ = gate_rules.current_limit(gate)
+        # The reserve counts slots premium already holds; what basic must leave free on top of
+        # those is the rest (one slot, unless the cap is tiny).
+        reserve = 0
+        if tier is Tier.BASIC:
+            reserve = max(0, premium_reserved(limit, gate.premium_inflight) - gate.premium_inflight)
+        verdict = predictive_rules.assess(
+            predictive, body_bytes, reserve=reserve, waited_s=waited, at=event.at
+        )
+        if not verdict.admit:
+            step = gate_rules.refuse(gate, event, RejectCode.GLOBAL_DYNAMIC_LIMIT)
+        return step, verdict.prediction
+    return step, None
+
+
+def _attempt(
+    state: GuardState,
+    request_id: int,
+    tracked: Tracked,
+    event: gate_rules.SlotRequested | gate_rules.WaitRetried,
+) -> _Step:
+    """Judge one attempt and file the request by its outcome: holding, waiting or gone."""
+    prediction: Prediction | None = None
+    step: gate_rules.GateStep
+    if state.predictive is not None and state.gate.config.dynamic:
+        # Learning without enforcing (DYNAMIC_PIG_ENFORCE=false) predicts but never refuses.
+        step, prediction = _predictive_attempt(state, event)
+    else:
+        step = gate_rules.apply(state.gate, event)
+    outcome = step.outcome
+    learner = state.learner
+    if isinstance(outcome, Rejected) and outcome.code in _DYNAMIC_REJECTS:
+        learner = replace(learner, dynamic_rejects=learner.dynamic_rejects + 1)
+    model = state.predictive
+    verdict = state.verdict
+    if model is not None:
+        if prediction is not None:
+            verdict = prediction
+        if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:
+            basis = prediction or model.last_cap
+            if basis is not None:
+                seconds = predictive_rules.retry_after_s(model, basis, at=event.at)
+                outcome = attrs.evolve(outcome, retry_after_s=seconds)
+    unchanged = step.state is state.gate and learner is state.learner and verdict is state.verdict
+    if unchanged and isinstance(outcome, Rejected) and request_id not in state.requests:
+        return state, outcome  # a refusal at once changes nothing: nothing is copied
+    filed: Tracked | None = None
+    if isinstance(outcome, Admitted):
+        filed = replace(tracked, queued=None)
+    elif isinstance(outcome, Queued):
+        filed = replace(tracked, queued=outcome)
+    state = _with(state, request_id, filed, gate=step.state, learner=learner, verdict=verdict)
+    return state, outcome
+
+
+def _end_wait(state: GuardState, request_id: int, tracked: Tracked, at: float) -> _Step:
+    """The runtime says the wait is over while this state still waits: retry at the deadline
+    (or now, when later), which admits or refuses."""
+    queued = tracked.queued
+    if queued is None:
+        return state, None
+    late = max(at, queued.deadline)
+    return _attempt(state, request_id, tracked, gate_rules.WaitRetried(late, queued))
+
+
+# -- a held slot -------------------------------------------------------------------------------
+
+
+def _forward(state: GuardState, request_id: int, tracked: Tracked, at: float) -> GuardState:
+    """An admitted request starts its prefill grace."""
+    learner = state.learner
+    deadline = at + grace_s(learner.config, tracked.body_bytes)
+    learner = replace(learner, prefill=(*learner.prefill, (request_id, deadline)))
+    predictive = state.predictive
+    if predictive is not None:
+        predictive = predictive_rules.forwarded(
+            predictive,
+            request_id,
+            tracked.body_bytes,
+            at=at,
+            premium=tracked.tier is Tier.PREMIUM,
+        )
+    forwarded = replace(tracked, forwarded=True)
+    return _with(state, request_id, forwarded, learner=learner, predictive=predictive)
+
+
+def _finish(state: GuardState, request_id: int, tracked: Tracked, at: float) -> GuardState:
+    """The slot goes back and, for a forwarded request, its prefill grace ends: one step."""
+    gate = gate_rules.apply(state.gate, gate_rules.SlotReleased(at, tracked.tier)).state
+    if not tracked.forwarded:
+        return _with(state, request_id, None, gate=gate)
+    learner = state.learner
+    prefill = tuple(entry for entry in learner.prefill if entry[0] != request_id)
+    predictive = state.predictive
+    if predictive is not None:
+        predictive = predictive_rules.finished(predictive, request_id, at=at)
+    learner = replace(learner, prefill=prefill)
+    return _with(state, request_id, None, gate=gate, learner=learner, predictive=predictive)
+
+
+def _first_token(state: GuardState, event: FirstToken) -> GuardState:
+    learner = state.learner
+    histogram = observe_first_token(learner.semantic_ttft, event.seconds)
+    state = replace(state, learner=replace(learner, semantic_ttft=histogram))
+    if state.predictive is not None:
+        predictive = predictive_rules.first_token(state.predictive, event.request_id, at=event.at)
+        state = replace(state, predictive=predictive)
+    return state
+
+
+# -- the reducer -------------------------------------------------------------------------------
+
+
+def _arrived(state: GuardState, event: Arrived) -> _Step:
+    if event.request_id in state.requests:
+        return state, None  # the id is taken: not a new request
+    tracked = Tracked(tier=event.tier, arrived_at=event.at, body_bytes=event.body_bytes)
+    attempt = gate_rules.SlotRequested(event.at, event.tier, event.body_bytes)
+    return _attempt(state, event.request_id, tracked, attempt)
+
+
+def apply(state: GuardState, event: RequestEvent) -> _Step:
+    """Apply one request event: the new state and, for an attempt, its outcome."""
+    if isinstance(event, Arrived):
+        return _arrived(state, event)
+    request_id = event.request_id
+    tracked = state.requests.get(request_id)
+    if tracked is None:
+        return state, None
+    queued = tracked.queued
+    if isinstance(event, Retried):
+        if queued is None:
+            return state, None
+        return _attempt(state, request_id, tracked, gate_rules.WaitRetried(event.at, queued))
+    if isinstance(event, Abandoned):
+        if queued is None:
+            return state, None
+        gate = gate_rules.apply(state.gate, gate_rules.WaitAbandoned(event.at, queued)).state
+        return _with(state, request_id, None, gate=gate), None
+    if isinstance(event, FirstToken | Finished):
+        if queued is not None:
+            return state, None  # it never ran
+        if isinstance(event, FirstToken):
+            return _first_token(state, event), None
+        return _finish(state, request_id, tracked, event.at), None
+    # Forwarded or Refused: the runtime ended the attempt; a wait this state still has ends too.
+    state, outcome = _end_wait(state, request_id, tracked, event.at)
+    held = state.requests.get(request_id)
+    if held is None:
+        return state, outcome
+    if not held.forwarded:
+        state = _forward(state, request_id, held, event.at)
+    if isinstance(event, Refused):
+        # Admitted here, refused there: it ends at once (forwarded and finished).
+        state = _finish(state, request_id, state.requests[request_id], event.at)
+    return state, outcome
