@@ -5,7 +5,10 @@ and their ends, metrics polls, first useful tokens, prefill starts and ends.
 Guarantees:
 - one state value, changed only by :func:`apply`, so a runtime has a single owner of the policy
   and a recording of the events replays to the same decisions;
-- a poll's decision is published to the gate in the same step that evaluates it;
+- a poll's decision is published to the gate in the same step that evaluates it, together with
+  the one :class:`~guard_core.published.Published` value every reader of a poll reads;
+- requests in flight per backend, the adaptive output samples and the tier refusals are state
+  here too (:mod:`guard_core.traffic`), so a runtime keeps no copy of them;
 - refusals by the dynamic cap or the tier rule are counted for the learner when they end in a
   429 (not while the request still waits, and not when its client left);
 - with ``DYNAMIC_POLICY=predictive`` (``config.predictive`` set) PIG's pipeline still runs on
@@ -35,14 +38,24 @@ from guard_core.evaluation import (
     BackendPoll,
     GateView,
     LearnerState,
-    evaluate,
+    evaluate_round,
     observe_first_token,
 )
 from guard_core.gate import GateConfig, GateState
+from guard_core.lanes import AdaptiveOutputConfig
 from guard_core.policy import PolicyConfig
 from guard_core.predictive import Prediction, PredictiveConfig, PredictiveState
 from guard_core.prefill_guard import grace_s
+from guard_core.published import Published, publish
 from guard_core.tier import Tier, premium_reserved
+from guard_core.traffic import (
+    BackendFinished,
+    BackendForwarded,
+    OutputIntentObserved,
+    RefusedAfterAdmission,
+    TrafficState,
+    apply_traffic,
+)
 
 __all__ = (
     "FirstTokenObserved",
@@ -73,6 +86,8 @@ class GuardConfig:
     failsafe: LoadState = LoadState.YELLOW
     #: ``DYNAMIC_POLICY=predictive``: the predictive learner's settings; ``None`` is PIG's.
     predictive: PredictiveConfig | None = None
+    #: ``ADAPTIVE_OUTPUT_CLASSIFICATION``: the adaptive output lanes' settings; ``None``: off.
+    adaptive_output: AdaptiveOutputConfig | None = None
 
 
 @attrs.frozen
@@ -112,8 +127,18 @@ class PrefillEnded:
     request_id: int
 
 
+_TRAFFIC_EVENTS = (BackendForwarded, BackendFinished, OutputIntentObserved, RefusedAfterAdmission)
+
 GuardEvent = (
-    gate_rules.GateEvent | MetricsPolled | FirstTokenObserved | PrefillStarted | PrefillEnded
+    gate_rules.GateEvent
+    | MetricsPolled
+    | FirstTokenObserved
+    | PrefillStarted
+    | PrefillEnded
+    | BackendForwarded
+    | BackendFinished
+    | OutputIntentObserved
+    | RefusedAfterAdmission
 )
 
 
@@ -126,6 +151,9 @@ class GuardState:
     #: The predictive learner's latest admission verdict and its explanation (kept here, not in
     #: the learner's state, so judging an attempt copies only this small value).
     verdict: Prediction | None = None
+    #: What the latest poll round published (the gate's decision and everything behind it).
+    published: Published
+    traffic: TrafficState = attrs.field(factory=TrafficState)
 
     @classmethod
     def initial(cls, config: GuardConfig, *, at: float) -> GuardState:
@@ -138,7 +166,13 @@ class GuardState:
         predictive = None
         if config.predictive is not None:
             predictive = PredictiveState.initial(config.predictive)
-        return cls(config=config, gate=gate, learner=learner, predictive=predictive)
+        return cls(
+            config=config,
+            gate=gate,
+            learner=learner,
+            predictive=predictive,
+            published=Published(decision=gate.decision),
+        )
 
 
 @attrs.frozen
@@ -161,14 +195,30 @@ def _poll(state: GuardState, event: MetricsPolled) -> GuardStep:
         premium_waiting=gate.premium_waiting,
         published_cap=gate.decision.cap,
     )
-    learner, decision = evaluate(state.learner, view, event.polls, at=event.at)
+    evaluated = evaluate_round(state.learner, view, event.polls, at=event.at)
+    learner, decision = evaluated.learner, evaluated.decision
     predictive = state.predictive
     if predictive is not None:
         predictive = predictive_rules.polled(predictive, event.polls, at=event.at)
         decision, predictive = _predictive_decision(decision, learner, predictive, at=event.at)
     gate = gate_rules.apply(gate, gate_rules.DecisionPublished(decision)).state
+    # A failed round publishes a decision with no learner detail (the learner keeps its
+    # snapshot for the next good round, but it is not what is published).
+    snapshot = learner.last if decision.source is DecisionSource.METRICS else None
+    published = publish(
+        state.published,
+        event.polls,
+        evaluated.normalised,
+        decision=decision,
+        snapshot=snapshot,
+        semantic=learner.semantic_ttft,
+        tier_rejects=state.traffic.tier_rejects,
+        tier_waiting=(gate.basic_waiting, gate.premium_waiting),
+        at=event.at,
+    )
     return GuardStep(
-        attrs.evolve(state, gate=gate, learner=learner, predictive=predictive), decision=decision
+        attrs.evolve(state, gate=gate, learner=learner, predictive=predictive, published=published),
+        decision=decision,
     )
 
 
@@ -235,6 +285,9 @@ def apply(state: GuardState, event: GuardEvent) -> GuardStep:
     """Apply one event; attempts return their outcome, polls the decision they published."""
     if isinstance(event, MetricsPolled):
         return _poll(state, event)
+    if isinstance(event, _TRAFFIC_EVENTS):
+        traffic = apply_traffic(state.traffic, event, state.config.adaptive_output)
+        return GuardStep(attrs.evolve(state, traffic=traffic))
     learner = state.learner
     if isinstance(event, FirstTokenObserved):
         histogram = observe_first_token(learner.semantic_ttft, event.seconds)
@@ -278,8 +331,14 @@ def apply(state: GuardState, event: GuardEvent) -> GuardStep:
     else:
         step = gate_rules.apply(state.gate, event)
     outcome = step.outcome
-    if isinstance(outcome, Rejected) and outcome.code in _DYNAMIC_REJECTS:
-        learner = attrs.evolve(learner, dynamic_rejects=learner.dynamic_rejects + 1)
+    traffic = state.traffic
+    if isinstance(outcome, Rejected):
+        if outcome.code in _DYNAMIC_REJECTS:
+            learner = attrs.evolve(learner, dynamic_rejects=learner.dynamic_rejects + 1)
+        if outcome.code is not RejectCode.BACKEND_UNAVAILABLE and isinstance(
+            event, gate_rules.SlotRequested | gate_rules.WaitRetried
+        ):
+            traffic = traffic.refused(_waited(event)[1])
     model = state.predictive
     verdict = state.verdict
     if model is not None:
@@ -291,6 +350,6 @@ def apply(state: GuardState, event: GuardEvent) -> GuardStep:
                 seconds = predictive_rules.retry_after_s(model, basis, at=event.at)
                 outcome = attrs.evolve(outcome, retry_after_s=seconds)
     return GuardStep(
-        attrs.evolve(state, gate=step.state, learner=learner, verdict=verdict),
+        attrs.evolve(state, gate=step.state, learner=learner, verdict=verdict, traffic=traffic),
         outcome=outcome,
     )

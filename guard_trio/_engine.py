@@ -50,6 +50,12 @@ from guard_core import (
     next_check_at,
 )
 from guard_core.guard import GuardEvent
+from guard_core.traffic import (
+    BackendFinished,
+    BackendForwarded,
+    OutputIntentObserved,
+    RefusedAfterAdmission,
+)
 
 __all__ = ("AdmissionResult", "EngineObserver", "GuardEngine", "Slot")
 
@@ -266,3 +272,20 @@ class GuardEngine:
 
     def seconds_since_start(self) -> float:
         return self._at()
+
+    # -- traffic: counts the core keeps so the shell keeps none ---------------------------------
+
+    def forwarded(self, backend: str) -> None:
+        """A request was sent to ``backend``; pair with :meth:`finished` on every path."""
+        self._apply(BackendForwarded(self._at(), backend))
+
+    def finished(self, backend: str) -> None:
+        self._apply(BackendFinished(self._at(), backend))
+
+    def output_intent(self, tokens: int) -> None:
+        """A classified body asked for ``tokens`` output tokens (adaptive output lanes)."""
+        self._apply(OutputIntentObserved(self._at(), tokens))
+
+    def refused_after_admission(self, tier: Tier) -> None:
+        """An admitted request got a 429 before it was forwarded (the priority rewrite)."""
+        self._apply(RefusedAfterAdmission(self._at(), tier))

@@ -1,0 +1,108 @@
+"""What the guard counts of the traffic it serves, beyond the gate's slots.
+
+Reads: events stamped with ``at``: a request sent to a backend and its end there, the
+output-token intent a classified body declared, and a refusal after admission (the priority
+rewrite's 429); plus the gate's own refusals, counted by :mod:`guard_core.guard`.
+Guarantees:
+- requests in flight per backend, by name: a finish for a backend with nothing in flight
+  leaves it at zero;
+- the adaptive output lanes' samples (:class:`~guard_core.lanes.AdaptiveOutputState`), changed
+  only when the guard's config carries adaptive output settings;
+- the tier refusals ``(basic, premium)`` only grow; they feed the published reject deltas.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from guard_core.lanes import AdaptiveOutputConfig, AdaptiveOutputState
+from guard_core.tier import Tier
+
+__all__ = (
+    "BackendFinished",
+    "BackendForwarded",
+    "OutputIntentObserved",
+    "RefusedAfterAdmission",
+    "TrafficEvent",
+    "TrafficState",
+    "apply_traffic",
+)
+
+
+@attrs.frozen
+class BackendForwarded:
+    """A request was sent to backend ``backend``."""
+
+    at: float
+    backend: str
+
+
+@attrs.frozen
+class BackendFinished:
+    """A request sent to backend ``backend`` ended there (any way)."""
+
+    at: float
+    backend: str
+
+
+@attrs.frozen
+class OutputIntentObserved:
+    """A classified request body asked for ``tokens`` output tokens."""
+
+    at: float
+    tokens: int
+
+
+@attrs.frozen
+class RefusedAfterAdmission:
+    """An admitted request of ``tier`` was refused with a 429 before it was forwarded."""
+
+    at: float
+    tier: Tier
+
+
+TrafficEvent = BackendForwarded | BackendFinished | OutputIntentObserved | RefusedAfterAdmission
+
+
+@attrs.frozen(kw_only=True)
+class TrafficState:
+    #: Requests in flight per backend: ``(name, count)`` pairs, in the order first sent to.
+    inflight: tuple[tuple[str, int], ...] = ()
+    adaptive: AdaptiveOutputState = attrs.field(factory=AdaptiveOutputState)
+    #: Refusals (429s) per tier since start: ``(basic, premium)``.
+    tier_rejects: tuple[int, int] = (0, 0)
+
+    def inflight_of(self, backend: str) -> int:
+        for name, count in self.inflight:
+            if name == backend:
+                return count
+        return 0
+
+    def refused(self, tier: Tier) -> TrafficState:
+        basic, premium = self.tier_rejects
+        if tier is Tier.PREMIUM:
+            return attrs.evolve(self, tier_rejects=(basic, premium + 1))
+        return attrs.evolve(self, tier_rejects=(basic + 1, premium))
+
+
+def _moved(
+    inflight: tuple[tuple[str, int], ...], backend: str, by: int
+) -> tuple[tuple[str, int], ...]:
+    counts = dict(inflight)
+    counts[backend] = max(0, counts.get(backend, 0) + by)
+    return tuple(counts.items())
+
+
+def apply_traffic(
+    state: TrafficState, event: TrafficEvent, adaptive: AdaptiveOutputConfig | None
+) -> TrafficState:
+    """Apply one traffic event; ``adaptive`` is the adaptive output settings (``None``: off)."""
+    if isinstance(event, BackendForwarded):
+        return attrs.evolve(state, inflight=_moved(state.inflight, event.backend, 1))
+    if isinstance(event, BackendFinished):
+        return attrs.evolve(state, inflight=_moved(state.inflight, event.backend, -1))
+    if isinstance(event, OutputIntentObserved):
+        if adaptive is None:
+            return state
+        return attrs.evolve(state, adaptive=state.adaptive.observe(event.tokens, adaptive))
+    return state.refused(event.tier)
