@@ -45,6 +45,8 @@ __all__ = (
 
 #: A status not refreshed for more than this many poll intervals is stale.
 STALE_AFTER_POLLS = 3
+#: What a backend's latest good poll gives its view.
+_POLL_FIGURES = ("generation_tps", "running", "waiting", "kv_usage")
 
 
 def _count(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
@@ -86,26 +88,12 @@ def backend_views(
     views = []
     for name in names:
         figures = published.backend(name)
-        inflight = traffic.inflight_of(name)
-        if figures is None or figures.failed:
-            updated_at = figures.updated_at if figures is not None else None
-            views.append(
-                BackendView(
-                    name=name, failed=figures is not None, updated_at=updated_at, inflight=inflight
-                )
-            )
-            continue
-        views.append(
-            BackendView(
-                name=name,
-                updated_at=figures.updated_at,
-                generation_tps=figures.generation_tps,
-                running=figures.running,
-                waiting=figures.waiting,
-                kv_usage=figures.kv_usage,
-                inflight=inflight,
-            )
-        )
+        polled: dict[str, Any] = {}
+        if figures is not None:
+            polled = {"failed": figures.failed, "updated_at": figures.updated_at}
+            if not figures.failed:
+                polled.update({key: getattr(figures, key) for key in _POLL_FIGURES})
+        views.append(BackendView(name=name, inflight=traffic.inflight_of(name), **polled))
     return tuple(views)
 
 

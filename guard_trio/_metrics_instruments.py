@@ -42,20 +42,8 @@ CONTENT_TYPE: Final = "text/plain; version=0.0.4"
 DURATION_BUCKETS_S: Final = SEMANTIC_TTFT_BUCKETS
 #: Buckets of ``pig_backend_priority_rewrite_duration_seconds``.
 PRIORITY_REWRITE_BUCKETS_S: Final = (
-    0.0005,
-    0.001,
-    0.002,
-    0.005,
-    0.01,
-    0.02,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.0,
-    5.0,
-)
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0,
+)  # fmt: skip
 #: Buckets of ``pig_request_body_bytes``.
 BODY_BUCKETS_BYTES: Final = (16384, 65536, 131072, 524288, 1048576, 4194304, 16777216)
 #: How far the semantic TTFT scanner reads without a useful event (spec 8.5).
@@ -66,8 +54,8 @@ DISCONNECT_PHASES: Final = ("queue", "upstream", "response")
 TIERS: Final = (Tier.BASIC, Tier.PREMIUM)
 
 
-class EventCounter:
-    """A count that only grows. ``inc`` is the whole hot-path cost."""
+class _Number:
+    """One number the proxy adds to. ``inc`` is the whole hot-path cost."""
 
     __slots__ = ("value",)
 
@@ -78,16 +66,16 @@ class EventCounter:
         self.value += amount
 
 
-class EventGauge:
+class EventCounter(_Number):
+    """A count that only grows."""
+
+    __slots__ = ()
+
+
+class EventGauge(_Number):
     """A level the proxy moves up and down (in-flight counts)."""
 
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value: float = 0
-
-    def inc(self, amount: float = 1) -> None:
-        self.value += amount
+    __slots__ = ()
 
     def dec(self, amount: float = 1) -> None:
         self.value -= amount

@@ -31,8 +31,10 @@ __all__ = (
     "Section",
     "counter",
     "gauge",
+    "gauge_table",
     "histogram",
     "info",
+    "read_path",
     "reference_rows",
     "render",
     "summary",
@@ -178,3 +180,38 @@ def histogram(
     name: str, help: str, get: Callable[[View], Any], labels: str = ""
 ) -> MetricRow[View]:
     return MetricRow(name, Kind.HISTOGRAM, help, get, _labels(labels))
+
+
+def read_path(view: object, path: str) -> Any:
+    """The value at a dotted ``path`` of attributes (digits index a tuple); a trailing ``?``
+    reads a ``None`` anywhere on the way as 0."""
+    optional = path.endswith("?")
+    value: Any = view
+    for part in path.rstrip("?").split("."):
+        if value is None and optional:
+            return 0
+        value = value[int(part)] if part.isdigit() else getattr(value, part)
+    return 0 if value is None and optional else value
+
+
+def _reader(path: str) -> Callable[[Any], Any]:
+    return lambda view: read_path(view, path)
+
+
+def gauge_table(text: str, special: Iterable[MetricRow[View]]) -> tuple[MetricRow[View], ...]:
+    """Rows written as a text table, one per line, in page order.
+
+    A line ``name path help`` is an unlabelled gauge reading :func:`read_path` at ``path``; a
+    line ``@name`` places the row of that name from ``special`` (each used exactly once).
+    """
+    named = {row.name: row for row in special}
+    rows: list[MetricRow[View]] = []
+    for line in text.strip().splitlines():
+        if line.startswith("@"):
+            rows.append(named.pop(line[1:].strip()))
+            continue
+        name, path, help_text = line.split(maxsplit=2)
+        rows.append(gauge(name, help_text, _reader(path)))
+    if named:
+        raise ValueError(f"rows never placed: {sorted(named)}")
+    return tuple(rows)

@@ -15,7 +15,7 @@ Guarantees:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from guard_core.composition import CapComponents
 from guard_core.decision import PublishedDecision
@@ -42,40 +42,24 @@ __all__ = ("NO_PREDICTION", "NO_SNAPSHOT", "Scrape", "cumulative_of", "or_unknow
 
 # A snapshot with every value at zero, standing in before the first good poll and after a round
 # where every backend failed (PIG publishes an error snapshot with no learner detail then).
-NO_SIGNALS: Final = PollSignals(
-    at=0.0,
-    base=0,
-    previous_is_metrics=False,
-    previous_cap=0,
-    running=0,
-    waiting=0,
-    kv_usage=0.0,
-    decode=0,
-    protected=0,
-    freeze=False,
-    transition=False,
-    preemption_delta=0.0,
-    generation_tps=None,
-    smoothed_tps=0.0,
-    qos_tps=0.0,
-    qos_tps_valid=False,
-    queue=0,
-    reject_delta=0,
-    tier_demand=False,
-    capacity_demand=False,
-    raw_capacity=0,
-    safe_capacity=0,
-    low_confidence_capacity=0,
-    confidence=Confidence.NONE,
-    estimate_representative=False,
-    user_tps=None,
-    representative_user_load=False,
-    user_tps_yellow_count=0,
-    user_tps_red_count=0,
-    user_tps_yellow_ready=False,
-    user_tps_red_ready=False,
-    qos_healthy=False,
-)
+_ZERO_SIGNALS: Final[dict[str, Any]] = {
+    **dict.fromkeys(("at", "kv_usage", "preemption_delta", "smoothed_tps", "qos_tps"), 0.0),
+    **dict.fromkeys(
+        ("base", "previous_cap", "running", "waiting", "decode", "protected", "queue",
+         "reject_delta", "raw_capacity", "safe_capacity", "low_confidence_capacity",
+         "user_tps_yellow_count", "user_tps_red_count"),
+        0,
+    ),
+    **dict.fromkeys(
+        ("previous_is_metrics", "freeze", "transition", "qos_tps_valid", "tier_demand",
+         "capacity_demand", "estimate_representative", "representative_user_load",
+         "user_tps_yellow_ready", "user_tps_red_ready", "qos_healthy"),
+        False,
+    ),
+    **dict.fromkeys(("generation_tps", "user_tps"), None),
+    "confidence": Confidence.NONE,
+}  # fmt: skip
+NO_SIGNALS: Final = PollSignals(**_ZERO_SIGNALS)
 NO_SNAPSHOT: Final = Snapshot(
     decision=PublishedDecision.startup(at=0.0),
     components=CapComponents(hard_global=0, state=0),

@@ -35,13 +35,18 @@ def tables() -> dict[str, str]:
     }
 
 
+def _escaped(replacement: str) -> str:
+    """``replacement`` as literal text in a ``re.sub`` template."""
+    return replacement.replace("\\", "\\\\")
+
+
 def render(text: str) -> str:
     """``text`` with every marked block replaced by the table's rows."""
     for name, table in tables().items():
         pattern = re.compile(
             rf"(<!-- metrics:{name} -->\n).*?(<!-- /metrics:{name} -->)", flags=re.DOTALL
         )
-        text, count = pattern.subn(lambda m, t=table: m.group(1) + t + m.group(2), text)
+        text, count = pattern.subn(rf"\g<1>{_escaped(table)}\g<2>", text)
         if count != 1:
             raise SystemExit(f"{OUTPUT.name}: expected one '<!-- metrics:{name} -->' block")
     return text
