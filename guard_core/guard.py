@@ -53,6 +53,7 @@ from guard_core.traffic import (
     BackendForwarded,
     OutputIntentObserved,
     RefusedAfterAdmission,
+    TrafficEvent,
     TrafficState,
     apply_traffic,
 )
@@ -67,6 +68,7 @@ __all__ = (
     "PrefillEnded",
     "PrefillStarted",
     "apply",
+    "apply_traffic_event",
 )
 
 _DYNAMIC_REJECTS = frozenset(
@@ -281,13 +283,27 @@ def _predictive_attempt(
     return step, None
 
 
+def apply_traffic_event(state: GuardState, event: TrafficEvent) -> GuardState:
+    """:func:`apply` for a traffic event, which has no outcome: the new state only."""
+    traffic = apply_traffic(state.traffic, event, state.config.adaptive_output)
+    # Built directly (not through attrs.evolve): this runs twice per forwarded request.
+    return GuardState(
+        config=state.config,
+        gate=state.gate,
+        learner=state.learner,
+        predictive=state.predictive,
+        verdict=state.verdict,
+        published=state.published,
+        traffic=traffic,
+    )
+
+
 def apply(state: GuardState, event: GuardEvent) -> GuardStep:
     """Apply one event; attempts return their outcome, polls the decision they published."""
     if isinstance(event, MetricsPolled):
         return _poll(state, event)
     if isinstance(event, _TRAFFIC_EVENTS):
-        traffic = apply_traffic(state.traffic, event, state.config.adaptive_output)
-        return GuardStep(attrs.evolve(state, traffic=traffic))
+        return GuardStep(apply_traffic_event(state, event))
     learner = state.learner
     if isinstance(event, FirstTokenObserved):
         histogram = observe_first_token(learner.semantic_ttft, event.seconds)

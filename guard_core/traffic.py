@@ -79,18 +79,23 @@ class TrafficState:
         return 0
 
     def refused(self, tier: Tier) -> TrafficState:
+        """One more refusal of ``tier`` (on the refusal path: built directly, no evolve)."""
         basic, premium = self.tier_rejects
-        if tier is Tier.PREMIUM:
-            return attrs.evolve(self, tier_rejects=(basic, premium + 1))
-        return attrs.evolve(self, tier_rejects=(basic + 1, premium))
+        rejects = (basic, premium + 1) if tier is Tier.PREMIUM else (basic + 1, premium)
+        return TrafficState(inflight=self.inflight, adaptive=self.adaptive, tier_rejects=rejects)
 
 
-def _moved(
-    inflight: tuple[tuple[str, int], ...], backend: str, by: int
-) -> tuple[tuple[str, int], ...]:
-    counts = dict(inflight)
-    counts[backend] = max(0, counts.get(backend, 0) + by)
-    return tuple(counts.items())
+def _moved(state: TrafficState, backend: str, by: int) -> TrafficState:
+    # Built directly (not through attrs.evolve): this runs twice per forwarded request.
+    inflight = state.inflight
+    for index, (name, count) in enumerate(inflight):
+        if name == backend:
+            moved = (name, max(0, count + by))
+            inflight = (*inflight[:index], moved, *inflight[index + 1 :])
+            break
+    else:
+        inflight = (*inflight, (backend, max(0, by)))
+    return TrafficState(inflight=inflight, adaptive=state.adaptive, tier_rejects=state.tier_rejects)
 
 
 def apply_traffic(
@@ -98,9 +103,9 @@ def apply_traffic(
 ) -> TrafficState:
     """Apply one traffic event; ``adaptive`` is the adaptive output settings (``None``: off)."""
     if isinstance(event, BackendForwarded):
-        return attrs.evolve(state, inflight=_moved(state.inflight, event.backend, 1))
+        return _moved(state, event.backend, 1)
     if isinstance(event, BackendFinished):
-        return attrs.evolve(state, inflight=_moved(state.inflight, event.backend, -1))
+        return _moved(state, event.backend, -1)
     if isinstance(event, OutputIntentObserved):
         if adaptive is None:
             return state

@@ -1,10 +1,13 @@
 """The guard engine: the one owner of the guard's state in the trio runtime.
 
-Reads: admission requests, releases, first tokens and poll results from the proxy and the poller;
+Reads: admission requests, releases, first tokens, requests sent to and ended at each backend,
+output-token intents and poll results from the proxy and the poller;
 time from ``trio.current_time()`` only.
 Guarantees:
-- every state change goes through :func:`guard_core.apply_guard_event`, in one task at a time
-  (trio is single-threaded and none of these methods awaits while changing state);
+- every state change goes through :func:`guard_core.apply_guard_event` (or, for the traffic
+  counts the shell reports, :func:`guard_core.guard.apply_traffic_event`, its outcome-free
+  part), in one task at a time (trio is single-threaded and none of these methods awaits while
+  changing state);
 - a waiting request wakes on every release and every poll (a broadcast), at its fallback
   re-check time, and at its deadline, and always ends with a slot or a refusal; a waiter whose
   task is cancelled (its client left) is removed from the queue and never admitted;
@@ -49,7 +52,7 @@ from guard_core import (
     apply_guard_event,
     next_check_at,
 )
-from guard_core.guard import GuardEvent
+from guard_core.guard import GuardEvent, apply_traffic_event
 from guard_core.traffic import (
     BackendFinished,
     BackendForwarded,
@@ -277,15 +280,15 @@ class GuardEngine:
 
     def forwarded(self, backend: str) -> None:
         """A request was sent to ``backend``; pair with :meth:`finished` on every path."""
-        self._apply(BackendForwarded(self._at(), backend))
+        self.state = apply_traffic_event(self.state, BackendForwarded(self._at(), backend))
 
     def finished(self, backend: str) -> None:
-        self._apply(BackendFinished(self._at(), backend))
+        self.state = apply_traffic_event(self.state, BackendFinished(self._at(), backend))
 
     def output_intent(self, tokens: int) -> None:
         """A classified body asked for ``tokens`` output tokens (adaptive output lanes)."""
-        self._apply(OutputIntentObserved(self._at(), tokens))
+        self.state = apply_traffic_event(self.state, OutputIntentObserved(self._at(), tokens))
 
     def refused_after_admission(self, tier: Tier) -> None:
         """An admitted request got a 429 before it was forwarded (the priority rewrite)."""
-        self._apply(RefusedAfterAdmission(self._at(), tier))
+        self.state = apply_traffic_event(self.state, RefusedAfterAdmission(self._at(), tier))
