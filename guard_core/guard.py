@@ -287,15 +287,9 @@ def apply_traffic_event(state: GuardState, event: TrafficEvent) -> GuardState:
     """:func:`apply` for a traffic event, which has no outcome: the new state only."""
     traffic = apply_traffic(state.traffic, event, state.config.adaptive_output)
     # Built directly (not through attrs.evolve): this runs twice per forwarded request.
-    return GuardState(
-        config=state.config,
-        gate=state.gate,
-        learner=state.learner,
-        predictive=state.predictive,
-        verdict=state.verdict,
-        published=state.published,
-        traffic=traffic,
-    )
+    return GuardState(config=state.config, gate=state.gate, learner=state.learner,
+                      predictive=state.predictive, verdict=state.verdict,
+                      published=state.published, traffic=traffic)  # fmt: skip
 
 
 def apply(state: GuardState, event: GuardEvent) -> GuardStep:
