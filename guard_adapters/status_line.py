@@ -1,7 +1,9 @@
 """The two log lines PIG operators grep for: the start-up line and ``pig_status`` (spec 10.3).
 
-Reads: the loaded :class:`~guard_adapters.config.Settings` (start-up line), the guard's state
-(``pig_status``) and the few figures only the runtime counts (:class:`RuntimeCounts`).
+Reads: the loaded :class:`~guard_adapters.config.Settings` (start-up line) and, for
+``pig_status``, the guard's state: the value the latest poll published
+(:class:`~guard_core.published.Published`), the gate's counts and the traffic counts
+(:func:`runtime_counts` gathers the per-backend and tier figures; a caller may pass its own).
 Guarantees:
 - pure: no clock, no logging; each function returns one line without the trailing newline and
   without the ``YYYY/MM/DD HH:MM:SS`` prefix, which belongs to the logger;
@@ -35,6 +37,7 @@ __all__ = (
     "RuntimeCounts",
     "current_snapshot",
     "go_duration",
+    "runtime_counts",
     "startup_line",
     "status_line",
 )
@@ -48,7 +51,7 @@ _CAPACITY_MODE: Final = "cap"
 
 @attrs.frozen(kw_only=True)
 class BackendDetail:
-    """One backend as only the runtime knows it: its in-flight count and its last TTFT window."""
+    """One backend's in-flight count and the TTFT window of its latest good poll."""
 
     inflight: int = 0
     ttft_valid: bool = False
@@ -58,7 +61,7 @@ class BackendDetail:
 
 @attrs.frozen(kw_only=True)
 class RuntimeCounts:
-    """Status-line inputs the core state does not hold; the metrics keep them up to date."""
+    """The status line's per-backend and tier figures (:func:`runtime_counts` reads them)."""
 
     #: Tier rejects since the previous good poll: ``(basic, premium)``.
     tier_reject_delta: tuple[int, int] = (0, 0)
@@ -69,25 +72,29 @@ class RuntimeCounts:
 
 
 def current_snapshot(state: GuardState) -> Snapshot | None:
-    """The learner's snapshot behind the decision the gate holds, or ``None``.
+    """The learner's snapshot behind the published decision, or ``None``.
 
     ``None`` before the first good poll and after a round where every backend failed: the
     published decision then carries no learner detail (the learner keeps its snapshot for the
-    next good poll, but it is not what is published). Under the predictive learner the gate
-    holds PIG's decision with the predictive cap and its reason in place of PIG's; the
-    snapshot is still the one behind it.
+    next good poll, but it is not what is published).
     """
-    last = state.learner.last
-    if last is None:
-        return None
-    decision = state.gate.decision
-    if last.decision is decision or last.decision == decision:
-        return last
-    if state.predictive is not None and decision == attrs.evolve(
-        last.decision, cap=decision.cap, final_reason=decision.final_reason
-    ):
-        return last
-    return None
+    return state.published.snapshot
+
+
+def runtime_counts(state: GuardState, backend_names: Sequence[str]) -> RuntimeCounts:
+    """The tier reject deltas the latest poll published, and per backend its in-flight count
+    and its own TTFT window."""
+    details = {}
+    for name in backend_names:
+        figures = state.published.backend(name)
+        ttft = figures.ttft if figures is not None else None
+        details[name] = BackendDetail(
+            inflight=state.traffic.inflight_of(name),
+            ttft_valid=ttft is not None,
+            ttft_p95=ttft.p95 if ttft is not None else 0.0,
+            ttft_p99=ttft.p99 if ttft is not None else 0.0,
+        )
+    return RuntimeCounts(tier_reject_delta=state.published.tier_reject_delta, backends=details)
 
 
 def go_duration(seconds: float) -> str:
@@ -225,7 +232,7 @@ def _pig_part(
     state: GuardState, snapshot: Snapshot | None, *, counts: RuntimeCounts, backend_unavailable: int
 ) -> str:
     gate = state.gate
-    decision = gate.decision
+    decision = state.published.decision
     cap = decision.cap
     if snapshot is not None:
         signals = snapshot.signals
@@ -296,18 +303,18 @@ def _pig_part(
 
 
 def _backend_detail(state: GuardState, backend_names: Sequence[str], counts: RuntimeCounts) -> str:
-    statuses = dict(state.learner.backends)
     parts = []
     for name in backend_names:
-        status = statuses.get(name)
-        sample = status.sample if status is not None else None
-        running = int(sample.running or 0) if sample is not None else 0
-        waiting = int(sample.waiting or 0) if sample is not None else 0
+        figures = state.published.backend(name)
+        failed = figures is not None and figures.failed
+        # A failed backend's running and waiting print as 0 (its last good poll is not shown).
+        running = figures.running if figures is not None and not failed else 0
+        waiting = figures.waiting if figures is not None and not failed else 0
         detail = counts.backends.get(name, BackendDetail())
         part = f"{name}:{running}r/{waiting}w/{detail.inflight}i"
         if detail.ttft_valid:
             part += f"/ttft{detail.ttft_p95:.2f}/ttft99{detail.ttft_p99:.2f}"
-        if status is not None and status.failed:
+        if failed:
             part += "/err"
         parts.append(part)
     return "backend_detail={" + ";".join(parts) + "}"
@@ -331,7 +338,7 @@ def status_line(
     snapshot = current_snapshot(state)
     line = (
         f"pig_status v={version} "
-        + _backend_part(state.gate.decision, snapshot)
+        + _backend_part(state.published.decision, snapshot)
         + " "
         + _pig_part(state, snapshot, counts=counts, backend_unavailable=backend_unavailable_total)
     )

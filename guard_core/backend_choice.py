@@ -2,7 +2,8 @@
 
 Reads: one :class:`BackendView` per backend, in configuration order (the status of its latest
 metrics poll plus the guard's own in-flight count for it), the current time as ``now``, the
-poll interval, and whether dynamic mode is on.
+poll interval, and whether dynamic mode is on; :func:`backend_views` builds the views from the
+value the latest poll published and the guard's traffic counts.
 Guarantees:
 - the result is an index into the given sequence, and ``None`` only when it is empty;
 - in dynamic mode a failed or stale backend is chosen only when every backend is failed or
@@ -17,7 +18,8 @@ Scoring: a backend with a usable generation rate gets a capacity estimate
 ``max(1, floor(rate * capacity_ratio / target_user_tps))`` and scores
 ``running + inflight - capacity + 4 * waiting + 2 * kv``; one without a rate scores
 ``running + 8 * waiting + inflight / 4 + 4 * kv``. The two scales are compared as they are,
-as PIG does.
+as PIG does. The rate is the backend's own, from its latest good poll; a failed backend has
+none.
 """
 
 from __future__ import annotations
@@ -29,11 +31,22 @@ from typing import Any
 import attrs
 
 from guard_core._errors import InvalidObservation, PolicyConfigError
+from guard_core.published import Published
+from guard_core.traffic import TrafficState
 
-__all__ = ("STALE_AFTER_POLLS", "BackendView", "backend_score", "choose_backend", "is_stale")
+__all__ = (
+    "STALE_AFTER_POLLS",
+    "BackendView",
+    "backend_score",
+    "backend_views",
+    "choose_backend",
+    "is_stale",
+)
 
 #: A status not refreshed for more than this many poll intervals is stale.
 STALE_AFTER_POLLS = 3
+#: What a backend's latest good poll gives its view.
+_POLL_FIGURES = ("generation_tps", "running", "waiting", "kv_usage")
 
 
 def _count(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
@@ -65,6 +78,23 @@ class BackendView:
     kv_usage: float = attrs.field(default=0.0, validator=_finite_non_negative)
     #: Requests this guard has in flight to the backend now.
     inflight: int = attrs.field(default=0, validator=_count)
+
+
+def backend_views(
+    names: Sequence[str], published: Published, traffic: TrafficState
+) -> tuple[BackendView, ...]:
+    """The chooser's view of each backend in ``names``: its latest poll's figures (none when
+    that poll failed or it was never polled) and the requests in flight to it."""
+    views = []
+    for name in names:
+        figures = published.backend(name)
+        polled: dict[str, Any] = {}
+        if figures is not None:
+            polled = {"failed": figures.failed, "updated_at": figures.updated_at}
+            if not figures.failed:
+                polled.update({key: getattr(figures, key) for key in _POLL_FIGURES})
+        views.append(BackendView(name=name, inflight=traffic.inflight_of(name), **polled))
+    return tuple(views)
 
 
 def is_stale(view: BackendView, *, now: float, poll_interval_s: float) -> bool:

@@ -43,8 +43,10 @@ __all__ = (
     "BackendPoll",
     "GateView",
     "LearnerState",
+    "Round",
     "Snapshot",
     "evaluate",
+    "evaluate_round",
     "observe_first_token",
 )
 
@@ -461,27 +463,59 @@ def _reevaluate_user_tps(config: PolicyConfig, signals: PollSignals, running: _R
 
 def _normalise_polls(
     learner: LearnerState, polls: tuple[BackendPoll, ...], *, at: float
-) -> tuple[LearnerState, tuple[norm.NormalisedSample, ...]]:
-    """Each answering backend against its own previous poll; failures are remembered."""
+) -> tuple[LearnerState, tuple[norm.NormalisedSample | None, ...]]:
+    """Each answering backend against its own previous poll (``None`` for a failed one, in
+    the order of ``polls``); failures are remembered."""
     statuses = dict(learner.backends)
-    healthy: list[norm.NormalisedSample] = []
+    normalised: list[norm.NormalisedSample | None] = []
     for poll in polls:
         previous = statuses.get(poll.name)
         if poll.sample is None:
             statuses[poll.name] = norm.BackendStatus(at=at, failed=True)
+            normalised.append(None)
             continue
-        healthy.append(norm.normalise(previous, poll.sample, at=at))
+        normalised.append(norm.normalise(previous, poll.sample, at=at))
         statuses[poll.name] = norm.BackendStatus(at=at, failed=False, sample=poll.sample)
-    return attrs.evolve(learner, backends=tuple(statuses.items())), tuple(healthy)
+    return attrs.evolve(learner, backends=tuple(statuses.items())), tuple(normalised)
+
+
+@attrs.frozen
+class Round:
+    """One evaluated poll round: the learner after it, its decision, and each backend's
+    normalised sample (``None`` for a failed one) in the order of the polls."""
+
+    learner: LearnerState
+    decision: PublishedDecision
+    normalised: tuple[norm.NormalisedSample | None, ...]
 
 
 def evaluate(
     learner: LearnerState, gate: GateView, polls: tuple[BackendPoll, ...], *, at: float
 ) -> tuple[LearnerState, PublishedDecision]:
     """Evaluate one poll round and return the new learner state and the decision to publish."""
+    result = evaluate_round(learner, gate, polls, at=at)
+    return result.learner, result.decision
+
+
+def evaluate_round(
+    learner: LearnerState, gate: GateView, polls: tuple[BackendPoll, ...], *, at: float
+) -> Round:
+    """:func:`evaluate`, keeping the per-backend figures it computed on the way."""
+    learner, normalised = _normalise_polls(learner, polls, at=at)
+    learner, decision = _evaluate(learner, gate, normalised, at=at)
+    return Round(learner, decision, normalised)
+
+
+def _evaluate(
+    learner: LearnerState,
+    gate: GateView,
+    normalised: tuple[norm.NormalisedSample | None, ...],
+    *,
+    at: float,
+) -> tuple[LearnerState, PublishedDecision]:
     config = learner.config
-    learner, healthy = _normalise_polls(learner, polls, at=at)
-    backend_count, backend_failed = len(polls), len(polls) - len(healthy)
+    healthy = tuple(sample for sample in normalised if sample is not None)
+    backend_count, backend_failed = len(normalised), len(normalised) - len(healthy)
     if not healthy:
         decision = PublishedDecision.all_polls_failed(
             at=at, backend_count=backend_count, failsafe=learner.failsafe

@@ -6,7 +6,10 @@ Guarantees:
 - one state value, changed only by :func:`apply` (or :func:`fold` over many events), so a
   runtime has a single owner of the policy and a recording of the events replays to the same
   decisions;
-- a poll's decision is published to the gate in the same step that evaluates it;
+- a poll's decision is published to the gate in the same step that evaluates it, together with
+  the one :class:`~guard_core.published.Published` value every reader of a poll reads;
+- requests in flight per backend, the adaptive output samples and the tier refusals are state
+  here too (:mod:`guard_core.traffic`), so a runtime keeps no copy of them;
 - refusals by the dynamic cap or the tier rule are counted for the learner when they end in a
   429 (not while the request still waits, and not when its client left);
 - with ``DYNAMIC_POLICY=predictive`` (``config.predictive`` set) PIG's pipeline still runs on
@@ -25,6 +28,7 @@ import attrs
 from guard_core import gate as gate_rules
 from guard_core import predictive as predictive_rules
 from guard_core import requests as request_rules
+from guard_core._values import replace
 from guard_core.decision import (
     Admission,
     DecisionSource,
@@ -36,13 +40,24 @@ from guard_core.evaluation import (
     BackendPoll,
     GateView,
     LearnerState,
-    evaluate,
+    evaluate_round,
 )
 from guard_core.events import RequestEvent
 from guard_core.gate import GateConfig, GateState
+from guard_core.lanes import AdaptiveOutputConfig
 from guard_core.policy import PolicyConfig
 from guard_core.predictive import Prediction, PredictiveConfig, PredictiveState
+from guard_core.published import Published, publish
 from guard_core.requests import Tracked
+from guard_core.traffic import (
+    BackendFinished,
+    BackendForwarded,
+    OutputIntentObserved,
+    RefusedAfterAdmission,
+    TrafficEvent,
+    TrafficState,
+    apply_traffic,
+)
 
 __all__ = (
     "GuardConfig",
@@ -51,6 +66,7 @@ __all__ = (
     "GuardStep",
     "MetricsPolled",
     "apply",
+    "apply_traffic_event",
     "fold",
 )
 
@@ -67,6 +83,8 @@ class GuardConfig:
     failsafe: LoadState = LoadState.YELLOW
     #: ``DYNAMIC_POLICY=predictive``: the predictive learner's settings; ``None`` is PIG's.
     predictive: PredictiveConfig | None = None
+    #: ``ADAPTIVE_OUTPUT_CLASSIFICATION``: the adaptive output lanes' settings; ``None``: off.
+    adaptive_output: AdaptiveOutputConfig | None = None
 
 
 @attrs.frozen
@@ -79,7 +97,11 @@ class MetricsPolled:
 
 #: Everything the guard applies: request events, polls, and a decision published directly (a
 #: runtime that pins the cap without polling, as tests do).
-GuardEvent = RequestEvent | MetricsPolled | gate_rules.DecisionPublished
+_TRAFFIC_EVENTS = (BackendForwarded, BackendFinished, OutputIntentObserved, RefusedAfterAdmission)
+
+#: Everything the guard applies: request events, polls, traffic counts, and a decision published
+#: directly (a runtime that pins the cap without polling, as tests do).
+GuardEvent = RequestEvent | MetricsPolled | TrafficEvent | gate_rules.DecisionPublished
 
 
 @attrs.frozen(kw_only=True)
@@ -91,6 +113,9 @@ class GuardState:
     #: The predictive learner's latest admission verdict and its explanation (kept here, not in
     #: the learner's state, so judging an attempt copies only this small value).
     verdict: Prediction | None = None
+    #: What the latest poll round published (the gate's decision and everything behind it).
+    published: Published
+    traffic: TrafficState = attrs.field(factory=TrafficState)
     #: Every request waiting for a slot or holding one, by id (:mod:`guard_core.requests`).
     requests: Mapping[int, Tracked] = attrs.field(factory=dict)
 
@@ -105,7 +130,13 @@ class GuardState:
         predictive = None
         if config.predictive is not None:
             predictive = PredictiveState.initial(config.predictive)
-        return cls(config=config, gate=gate, learner=learner, predictive=predictive)
+        return cls(
+            config=config,
+            gate=gate,
+            learner=learner,
+            predictive=predictive,
+            published=Published(decision=gate.decision),
+        )
 
 
 @attrs.frozen
@@ -128,14 +159,30 @@ def _poll(state: GuardState, event: MetricsPolled) -> GuardStep:
         premium_waiting=gate.premium_waiting,
         published_cap=gate.decision.cap,
     )
-    learner, decision = evaluate(state.learner, view, event.polls, at=event.at)
+    evaluated = evaluate_round(state.learner, view, event.polls, at=event.at)
+    learner, decision = evaluated.learner, evaluated.decision
     predictive = state.predictive
     if predictive is not None:
         predictive = predictive_rules.polled(predictive, event.polls, at=event.at)
         decision, predictive = _predictive_decision(decision, learner, predictive, at=event.at)
     gate = gate_rules.apply(gate, gate_rules.DecisionPublished(decision)).state
+    # A failed round publishes a decision with no learner detail (the learner keeps its
+    # snapshot for the next good round, but it is not what is published).
+    snapshot = learner.last if decision.source is DecisionSource.METRICS else None
+    published = publish(
+        state.published,
+        event.polls,
+        evaluated.normalised,
+        decision=decision,
+        snapshot=snapshot,
+        semantic=learner.semantic_ttft,
+        tier_rejects=state.traffic.tier_rejects,
+        tier_waiting=(gate.basic_waiting, gate.premium_waiting),
+        at=event.at,
+    )
     return GuardStep(
-        attrs.evolve(state, gate=gate, learner=learner, predictive=predictive), decision=decision
+        attrs.evolve(state, gate=gate, learner=learner, predictive=predictive, published=published),
+        decision=decision,
     )
 
 
@@ -163,10 +210,18 @@ def _predictive_decision(
     return attrs.evolve(pig, cap=cap, final_reason=reason), predictive
 
 
+def apply_traffic_event(state: GuardState, event: TrafficEvent) -> GuardState:
+    """:func:`apply` for a traffic event, which has no outcome: the new state only."""
+    traffic = apply_traffic(state.traffic, event, state.config.adaptive_output)
+    return replace(state, traffic=traffic)  # runs twice per forwarded request
+
+
 def apply(state: GuardState, event: GuardEvent) -> GuardStep:
     """Apply one event; attempts return their outcome, polls the decision they published."""
     if isinstance(event, MetricsPolled):
         return _poll(state, event)
+    if isinstance(event, _TRAFFIC_EVENTS):
+        return GuardStep(apply_traffic_event(state, event))
     if isinstance(event, gate_rules.DecisionPublished):
         return GuardStep(attrs.evolve(state, gate=gate_rules.apply(state.gate, event).state))
     state, outcome = request_rules.apply(state, event)

@@ -68,9 +68,11 @@ def _with(
 ) -> GuardState:
     """``state`` with the request filed as ``tracked`` (or forgotten) and ``changes``: one
     copy of the state per event."""
+    if tracked is None and request_id not in state.requests:
+        return replace(state, **changes)  # never filed (refused at once): the table stays
     requests = dict(state.requests)
     if tracked is None:
-        requests.pop(request_id, None)
+        del requests[request_id]
     else:
         requests[request_id] = tracked
     return replace(state, requests=requests, **changes)
@@ -142,15 +144,25 @@ def _attempt(
             if basis is not None:
                 seconds = predictive_rules.retry_after_s(model, basis, at=event.at)
                 outcome = attrs.evolve(outcome, retry_after_s=seconds)
+    traffic = state.traffic
+    if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:
+        traffic = traffic.refused(tracked.tier)  # the tier reject deltas a poll publishes
     unchanged = step.state is state.gate and learner is state.learner and verdict is state.verdict
-    if unchanged and isinstance(outcome, Rejected) and request_id not in state.requests:
-        return state, outcome  # a refusal at once changes nothing: nothing is copied
+    if (
+        unchanged
+        and traffic is state.traffic
+        and isinstance(outcome, Rejected)
+        and request_id not in state.requests
+    ):
+        return state, outcome  # a refusal at once that changes nothing copies nothing
     filed: Tracked | None = None
     if isinstance(outcome, Admitted):
         filed = replace(tracked, queued=None)
     elif isinstance(outcome, Queued):
         filed = replace(tracked, queued=outcome)
-    state = _with(state, request_id, filed, gate=step.state, learner=learner, verdict=verdict)
+    state = _with(
+        state, request_id, filed, gate=step.state, learner=learner, verdict=verdict, traffic=traffic
+    )
     return state, outcome
 
 

@@ -1,11 +1,14 @@
 """The guard engine: the one owner of the guard's state in the trio runtime.
 
-Reads: admission requests, releases, first tokens and poll results from the proxy and the poller;
+Reads: admission requests, releases, first tokens, requests sent to and ended at each backend,
+output-token intents and poll results from the proxy and the poller;
 time from ``trio.current_time()`` only.
 Guarantees:
-- every state change goes through :func:`guard_core.apply_guard_event`, in one task at a time
-  (trio is single-threaded and none of these methods awaits while changing state); the proxy's
-  side is said in the request events of :mod:`guard_core.events` and nothing else;
+- every state change goes through :func:`guard_core.apply_guard_event` (or, for the traffic
+  counts the shell reports, :func:`guard_core.guard.apply_traffic_event`, its outcome-free
+  part), in one task at a time (trio is single-threaded and none of these methods awaits while
+  changing state); the proxy's side of a request is said in the request events of
+  :mod:`guard_core.events` and nothing else;
 - a waiting request wakes on every release and every poll (a broadcast), at its fallback
   re-check time, and at its deadline, and always ends with a slot or a refusal; a waiter whose
   task is cancelled (its client left) is removed from the queue and never admitted;
@@ -52,6 +55,13 @@ from guard_core import (
     Tier,
     apply_guard_event,
     next_check_at,
+)
+from guard_core.guard import apply_traffic_event
+from guard_core.traffic import (
+    BackendFinished,
+    BackendForwarded,
+    OutputIntentObserved,
+    RefusedAfterAdmission,
 )
 
 __all__ = ("AdmissionResult", "Attempt", "GuardEngine", "RequestListener", "Slot")
@@ -250,3 +260,20 @@ class GuardEngine:
 
     def seconds_since_start(self) -> float:
         return self._at()
+
+    # -- traffic: counts the core keeps so the shell keeps none ---------------------------------
+
+    def forwarded(self, backend: str) -> None:
+        """A request was sent to ``backend``; pair with :meth:`finished` on every path."""
+        self.state = apply_traffic_event(self.state, BackendForwarded(self._at(), backend))
+
+    def finished(self, backend: str) -> None:
+        self.state = apply_traffic_event(self.state, BackendFinished(self._at(), backend))
+
+    def output_intent(self, tokens: int) -> None:
+        """A classified body asked for ``tokens`` output tokens (adaptive output lanes)."""
+        self.state = apply_traffic_event(self.state, OutputIntentObserved(self._at(), tokens))
+
+    def refused_after_admission(self, tier: Tier) -> None:
+        """An admitted request got a 429 before it was forwarded (the priority rewrite)."""
+        self.state = apply_traffic_event(self.state, RefusedAfterAdmission(self._at(), tier))

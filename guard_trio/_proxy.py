@@ -72,10 +72,9 @@ from guard_core import (
     tier_from_header_values,
     upstream_status_digit,
 )
-from guard_core.backend_choice import BackendView, choose_backend
+from guard_core.backend_choice import backend_views, choose_backend
 from guard_core.lanes import (
     DEFAULT_OUTPUT_THRESHOLDS,
-    AdaptiveOutputState,
     Thresholds,
     combine_lanes,
     output_lane,
@@ -230,6 +229,7 @@ class ProxyApp:
         env = settings.env
         self.targets = tuple(UpstreamTarget.from_url(b.name, b.upstream) for b in settings.backends)
         self.backend_metrics = tuple(metrics.backends[t.name] for t in self.targets)
+        self.target_names = tuple(t.name for t in self.targets)
         self.expected_authorization = b"Bearer " + env.token.encode() if env.token else None
         self.expected_digest = (
             hashlib.sha256(self.expected_authorization).digest()
@@ -290,7 +290,6 @@ class ProxyApp:
         self.classify_body_bytes = env.json_classify_body_bytes
         self.classify_fields = env.output_token_field_names
         self.adaptive_config = settings.adaptive_output
-        self.adaptive = AdaptiveOutputState()
         self.output_thresholds = settings.lane_thresholds.output
         self.sse_early_bridge: bool = env.sse_early_bridge_enabled
         self.upstream_head_timeout_s = _budget(env.pig_upstream_head_timeout_seconds)
@@ -697,13 +696,16 @@ class ProxyApp:
         # The walk is synchronous here, so the JSON_CLASSIFY_LIMIT slots are never all busy.
         tokens = output_token_intent(b"".join(body), self.classify_fields)
         if tokens is not None and self.adaptive_config is not None:
-            self.adaptive = self.adaptive.observe(tokens, self.adaptive_config)
+            self.engine.output_intent(tokens)
         return tokens
 
     def current_output_thresholds(self) -> Thresholds:
         if self.adaptive_config is None:
             return self.output_thresholds or DEFAULT_OUTPUT_THRESHOLDS
-        return self.adaptive.effective(self.adaptive_config, self.engine.state.gate.decision.state)
+        state = self.engine.state
+        return state.traffic.adaptive.effective(
+            self.adaptive_config, state.published.decision.state
+        )
 
     def count_priority(self, name: str) -> None:
         counter = {
@@ -766,6 +768,8 @@ class ProxyApp:
         if code is RejectCode.BACKEND_UNAVAILABLE:
             metrics.backend_unavailable.inc()
             return
+        if code is RejectCode.BACKEND_PRIORITY_INJECTION:
+            self.engine.refused_after_admission(tier)
         metrics.tier_rejected[tier].inc()
         metrics.rejected.inc()
         counted = Lane.GLOBAL if code is RejectCode.GLOBAL_LIMIT else lane
@@ -780,29 +784,15 @@ class ProxyApp:
     def pick_backend(self) -> int:
         if len(self.targets) == 1:
             return 0
-        statuses = dict(self.engine.state.learner.backends)
-        views = []
-        for index, target in enumerate(self.targets):
-            status = statuses.get(target.name)
-            sample = status.sample if status is not None else None
-            views.append(
-                BackendView(
-                    name=target.name,
-                    failed=bool(status and status.failed),
-                    updated_at=status.at if status is not None else None,
-                    generation_tps=None,
-                    running=int(sample.running or 0) if sample else 0,
-                    waiting=int(sample.waiting or 0) if sample else 0,
-                    kv_usage=float(sample.kv_usage or 0.0) if sample else 0.0,
-                    inflight=int(self.backend_metrics[index].inflight.value),
-                )
-            )
-        interval = self.settings.env.dynamic_poll_interval_ms / 1000
+        state = self.engine.state
+        policy = state.config.policy
         chosen = choose_backend(
-            views,
+            backend_views(self.target_names, state.published, state.traffic),
             now=self.engine.seconds_since_start(),
-            poll_interval_s=interval,
+            poll_interval_s=self.settings.env.dynamic_poll_interval_ms / 1000,
             dynamic=self.settings.dynamic_enabled,
+            capacity_ratio=policy.capacity_ratio,
+            target_user_tps=policy.user_tps_yellow,
         )
         return chosen or 0
 
@@ -878,7 +868,7 @@ class ProxyApp:
             ),
         )
         backend = self.backend_metrics[index]
-        backend.inflight.inc()
+        self.engine.forwarded(target.name)
         backend.accepted.inc()
         status = 0
         bridge = (
@@ -931,7 +921,7 @@ class ProxyApp:
             self.metrics.client_disconnect_upstream_cancellations.inc()
             raise
         finally:
-            backend.inflight.dec()
+            self.engine.finished(target.name)
             backend.completed.inc()
             self.metrics.proxy_total_duration.observe(trio.current_time() - proxy_started)
         return status

@@ -24,11 +24,12 @@ import logging
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+import attrs
 import h11
 import trio
 
 from guard_adapters.config import Settings
-from guard_adapters.status_line import startup_line, status_line
+from guard_adapters.status_line import runtime_counts, startup_line, status_line
 from guard_trio import __version__
 from guard_trio._downstream import (
     BodyLimits,
@@ -74,7 +75,9 @@ class GuardServer:
         header_timeout_s: float | None = None,
     ) -> None:
         self.settings = settings
-        self.engine = GuardEngine(settings.guard_config(), on_event=on_event)
+        # The adaptive output lanes' samples are core state; their settings join the core's.
+        config = attrs.evolve(settings.guard_config(), adaptive_output=settings.adaptive_output)
+        self.engine = GuardEngine(config, on_event=on_event)
         self.pool = UpstreamPool()
         self.metrics = GuardMetrics(
             settings,
@@ -130,16 +133,18 @@ class GuardServer:
         self._connections: dict[Downstream, trio.CancelScope | None] = {}
 
     def _account_poll(self, report: PollReport) -> None:
-        self.metrics.record_poll(report.at, report.polls, self.engine.state)
+        self.metrics.record_poll(report.polls)
 
     def status(self) -> str:
         """The ``pig_status`` line for the current state."""
+        state = self.engine.state
+        names = tuple(self.metrics.backends)
         return status_line(
-            self.engine.state,
+            state,
             version=__version__,
-            backend_names=tuple(self.metrics.backends),
+            backend_names=names,
             backend_unavailable_total=int(self.metrics.backend_unavailable.value),
-            counts=self.metrics.status_counts(),
+            counts=runtime_counts(state, names),
         )
 
     async def log_status(self, interval_s: float) -> None:

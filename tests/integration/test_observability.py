@@ -9,7 +9,9 @@ The page is parsed back with ``prometheus_client``'s own text parser. Checks:
   semantic TTFT histogram, per-backend rates and TTFT windows, poll failures) and the event
   instruments the proxy adds to;
 * histogram buckets are PIG's, cumulative, with bounds in their shortest form;
-* static mode leaves the dynamic block out; the status-line figures come out of ``status_counts``;
+* static mode leaves the dynamic block out; the status-line figures come out of the value the
+  core published (``runtime_counts``), and in-flight counts per backend out of the core's traffic
+  state;
 * calling every instrument never raises.
 """
 
@@ -23,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from guard_adapters.config import Settings, load_config
-from guard_adapters.status_line import status_line
+from guard_adapters.status_line import runtime_counts, status_line
 from guard_core import (
     BackendPoll,
     BackendSample,
@@ -35,6 +37,8 @@ from guard_core import (
     Tier,
     apply_guard_event,
 )
+from guard_core.guard import GuardEvent
+from guard_core.traffic import BackendForwarded, RefusedAfterAdmission
 from guard_trio._observability import (
     CONTENT_TYPE,
     EventCounter,
@@ -264,7 +268,11 @@ class Rig:
         )
         self.now = at
         self.state = apply_guard_event(self.state, MetricsPolled(at, polls)).state
-        self.metrics.record_poll(at, polls, self.state)
+        self.metrics.record_poll(polls)
+
+    def apply(self, *events: GuardEvent) -> None:
+        for event in events:
+            self.state = apply_guard_event(self.state, event).state
 
     def scrape(self) -> Page:
         return Page(self.metrics.exposition().decode())
@@ -536,7 +544,7 @@ def test_event_counters_reach_the_page(routed: Rig) -> None:
     m.client_disconnect_upstream_cancellations.inc()
     m.backend_unavailable.inc()
     m.backends["a"].accepted.inc()
-    m.backends["a"].inflight.inc()
+    routed.apply(BackendForwarded(1.0, "a"))
     m.backends["b"].proxy_errors.inc()
     m.classifier_rejected.inc()
     m.priority_skipped.inc()
@@ -629,11 +637,12 @@ def test_dynamic_rejects_come_from_the_core() -> None:
 
 def test_status_counts_feed_the_status_line(routed: Rig) -> None:
     m = routed.metrics
-    m.tier_rejected[Tier.BASIC].inc(2)
-    m.backends["a"].inflight.inc(3)
+    # Two basic refusals and three requests in flight to a: core state, changed by events.
+    routed.apply(*(RefusedAfterAdmission(2.5, Tier.BASIC) for _ in range(2)))
+    routed.apply(*(BackendForwarded(2.5, "a") for _ in range(3)))
     # Ten more fast TTFT samples on a since the last poll: p95 = p99 = 0.5 s.
     routed.poll(3.0, a=sample(tokens=2000, ttft=ttft_histogram(20, 2)), b=sample(running=2))
-    counts = m.status_counts()
+    counts = runtime_counts(routed.state, tuple(m.backends))
     assert counts.tier_reject_delta == (2, 0)
     assert counts.backends["a"].inflight == 3
     assert counts.backends["a"].ttft_valid
@@ -650,7 +659,7 @@ def test_status_counts_feed_the_status_line(routed: Rig) -> None:
     assert page.value("pig_dynamic_tier_basic_rejected_delta") == 2
     # The next round sees only what came since.
     routed.poll(4.0, a=sample(tokens=2500), b=sample(running=2))
-    assert m.status_counts().tier_reject_delta == (0, 0)
+    assert runtime_counts(routed.state, tuple(m.backends)).tier_reject_delta == (0, 0)
 
 
 def test_calling_every_instrument_never_raises(routed: Rig) -> None:
@@ -666,7 +675,7 @@ def test_calling_every_instrument_never_raises(routed: Rig) -> None:
             elif isinstance(instrument, EventHistogram):
                 calls.extend((partial(instrument.observe, 0.3), instrument.observe_unknown))
     for backend in m.backends.values():
-        calls.extend((backend.accepted.inc, backend.completed.inc, backend.inflight.inc))
+        calls.extend((backend.accepted.inc, backend.completed.inc, backend.proxy_errors.inc))
     for lane in m.lanes.values():
         calls.extend((lane.accepted.inc, partial(lane.complete, 200, 0.1)))
         calls.extend((partial(lane.observe_body, None), partial(lane.observe_body, 10)))

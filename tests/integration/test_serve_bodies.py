@@ -154,3 +154,22 @@ async def test_a_large_buffered_body_is_rewritten_off_the_event_loop(
     assert doc["priority"] == 0
     assert len(doc["messages"]) == 20_000
     assert all("tool_calls" not in m for m in doc["messages"])
+
+
+async def test_adaptive_output_thresholds_are_learned_by_the_core(
+    start_guard: Any, http: Any, nursery: trio.Nursery
+) -> None:
+    """The intents the guard classifies are core state: they move the lane of later requests
+    and the metrics page shows them."""
+    upstream, seen = await recording_backend(nursery)
+    adaptive = {"ADAPTIVE_OUTPUT_CLASSIFICATION": "true", "ADAPTIVE_OUTPUT_MIN_SAMPLES": "4"}
+    guard, server = await start_guard(env(upstream, CLASSIFY_OUTPUT_TOKENS="true", **adaptive))
+    for tokens in (3000, 3000, 3000, 3000, 2000):
+        body = json.dumps({"model": "m", "max_tokens": tokens}).encode()
+        await http.request(guard, "POST", CHAT, [], body)
+    # Learned from the intents so far, the medium lane starts at 3000: 2000 is default now.
+    assert seen[-1][0][b"x-pig-lane"] == b"default"
+    assert server.engine.state.traffic.adaptive.samples == (3000, 3000, 3000, 3000, 2000)
+    page = server.metrics.exposition().decode()
+    assert "pig_adaptive_output_samples 5.0" in page
+    assert 'pig_effective_output_threshold_tokens{lane="medium_output"} 3000.0' in page

@@ -215,7 +215,7 @@ def counters(server: Any) -> dict[str, int]:
         "slots": server.engine.state.gate.inflight,
         "waiting": server.engine.state.gate.waiting,
         "lane_inflight": sum(int(m.inflight.value) for m in metrics.lanes.values()),
-        "backend_inflight": sum(int(b.inflight.value) for b in metrics.backends.values()),
+        "backend_inflight": sum(n for _, n in server.engine.state.traffic.inflight),
         "active_requests": server.active_requests,
     }
 

@@ -124,7 +124,7 @@ def counters(server: Any) -> dict[str, int]:
     return {
         "slots": server.engine.state.gate.inflight,
         "lane_inflight": sum(int(m.inflight.value) for m in metrics.lanes.values()),
-        "backend_inflight": sum(int(b.inflight.value) for b in metrics.backends.values()),
+        "backend_inflight": sum(n for _, n in server.engine.state.traffic.inflight),
         "active_requests": server.active_requests,
     }
 

@@ -1,0 +1,113 @@
+"""What the guard counts of the traffic it serves, beyond the gate's slots.
+
+Reads: events stamped with ``at``: a request sent to a backend and its end there, the
+output-token intent a classified body declared, and a refusal after admission (the priority
+rewrite's 429); plus the gate's own refusals, counted by :mod:`guard_core.guard`.
+Guarantees:
+- requests in flight per backend, by name: a finish for a backend with nothing in flight
+  leaves it at zero;
+- the adaptive output lanes' samples (:class:`~guard_core.lanes.AdaptiveOutputState`), changed
+  only when the guard's config carries adaptive output settings;
+- the tier refusals ``(basic, premium)`` only grow; they feed the published reject deltas.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from guard_core.lanes import AdaptiveOutputConfig, AdaptiveOutputState
+from guard_core.tier import Tier
+
+__all__ = (
+    "BackendFinished",
+    "BackendForwarded",
+    "OutputIntentObserved",
+    "RefusedAfterAdmission",
+    "TrafficEvent",
+    "TrafficState",
+    "apply_traffic",
+)
+
+
+@attrs.frozen
+class BackendForwarded:
+    """A request was sent to backend ``backend``."""
+
+    at: float
+    backend: str
+
+
+@attrs.frozen
+class BackendFinished:
+    """A request sent to backend ``backend`` ended there (any way)."""
+
+    at: float
+    backend: str
+
+
+@attrs.frozen
+class OutputIntentObserved:
+    """A classified request body asked for ``tokens`` output tokens."""
+
+    at: float
+    tokens: int
+
+
+@attrs.frozen
+class RefusedAfterAdmission:
+    """An admitted request of ``tier`` was refused with a 429 before it was forwarded."""
+
+    at: float
+    tier: Tier
+
+
+TrafficEvent = BackendForwarded | BackendFinished | OutputIntentObserved | RefusedAfterAdmission
+
+
+@attrs.frozen(kw_only=True)
+class TrafficState:
+    #: Requests in flight per backend: ``(name, count)`` pairs, in the order first sent to.
+    inflight: tuple[tuple[str, int], ...] = ()
+    adaptive: AdaptiveOutputState = attrs.field(factory=AdaptiveOutputState)
+    #: Refusals (429s) per tier since start: ``(basic, premium)``.
+    tier_rejects: tuple[int, int] = (0, 0)
+
+    def inflight_of(self, backend: str) -> int:
+        for name, count in self.inflight:
+            if name == backend:
+                return count
+        return 0
+
+    def refused(self, tier: Tier) -> TrafficState:
+        """One more refusal of ``tier`` (on the refusal path: built directly, no evolve)."""
+        basic, premium = self.tier_rejects
+        rejects = (basic, premium + 1) if tier is Tier.PREMIUM else (basic + 1, premium)
+        return TrafficState(inflight=self.inflight, adaptive=self.adaptive, tier_rejects=rejects)
+
+
+def _moved(state: TrafficState, backend: str, by: int) -> TrafficState:
+    # Built directly (not through attrs.evolve): this runs twice per forwarded request.
+    inflight = state.inflight
+    for index, (name, count) in enumerate(inflight):
+        if name == backend:
+            moved = (name, max(0, count + by))
+            inflight = (*inflight[:index], moved, *inflight[index + 1 :])
+            break
+    else:
+        inflight = (*inflight, (backend, max(0, by)))
+    return TrafficState(inflight=inflight, adaptive=state.adaptive, tier_rejects=state.tier_rejects)
+
+
+def apply_traffic(
+    state: TrafficState, event: TrafficEvent, adaptive: AdaptiveOutputConfig | None
+) -> TrafficState:
+    """Apply one traffic event; ``adaptive`` is the adaptive output settings (``None``: off)."""
+    if isinstance(event, BackendForwarded):
+        return _moved(state, event.backend, 1)
+    if isinstance(event, BackendFinished):
+        return _moved(state, event.backend, -1)
+    if isinstance(event, OutputIntentObserved):
+        if adaptive is None:
+            return state
+        return attrs.evolve(state, adaptive=state.adaptive.observe(event.tokens, adaptive))
+    return state.refused(event.tier)
