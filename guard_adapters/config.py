@@ -80,6 +80,16 @@ from guard_core.lanes import AdaptiveOutputConfig, Thresholds
 from guard_core.policy import PolicyConfig
 from guard_core.predictive import PredictiveConfig
 from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
+from guard_core.settings import (
+    ENV,
+    AtLeast,
+    Below,
+    Greater,
+    Problem,
+    Rule,
+    default_of,
+    problems,
+)
 from guard_core.signal_state import SignalThresholds
 
 __all__ = (
@@ -107,10 +117,6 @@ _SECRET: Final = "secret"
 _WORD: Final = "word"
 
 _DEFAULT_UPSTREAM: Final = "http://backend:8000"
-_TTFT_TARGET_S: Final = 1.0
-_TTFT_RED_S: Final = 3.0
-_TTFT_P99_TARGET_S: Final = 3.0
-_TTFT_P99_RED_S: Final = 8.0
 #: ``PIG_QUEUE_POLL_MS`` handed to the gate when the configured one is not positive (which is
 #: only allowed while the wait is 0): ten times it is PIG's 250 ms fallback re-check.
 _FALLBACK_POLL_MS: Final = 25
@@ -130,21 +136,56 @@ POLICIES: Final = ("pig", "predictive")
 RETRY_AFTER_MODES: Final = ("fixed", "predicted")
 
 
-# PIG reads a TTFT threshold that is not positive as its default.
-def _ttft_target(value: float) -> float:
-    return value if value > 0 else _TTFT_TARGET_S
+#: The core configs whose fields name the variables they are read from, in the order their
+#: rules are checked. Each carries its defaults and ranges; nothing here restates them.
+_CORE_CONFIGS: Final = (
+    SignalThresholds,
+    PolicyConfig,
+    GateConfig,
+    AdaptiveOutputConfig,
+    PredictiveConfig,
+)
 
 
-def _ttft_red(value: float) -> float:
-    return value if value > 0 else _TTFT_RED_S
+def _core_fields() -> dict[str, attrs.Attribute[Any]]:
+    """Variable -> the first core field read from it (configs that share one agree on its
+    default; a test checks that)."""
+    found: dict[str, attrs.Attribute[Any]] = {}
+    for cls in _CORE_CONFIGS:
+        for field in attrs.fields(cls):
+            name = field.metadata.get(ENV)
+            if isinstance(name, str):
+                found.setdefault(name, field)
+    return found
 
 
-def _ttft_p99_target(value: float) -> float:
-    return value if value > 0 else _TTFT_P99_TARGET_S
+#: Every variable a core config reads, with the field that holds its default and rules.
+CORE_FIELDS: Final = _core_fields()
 
 
-def _ttft_p99_red(value: float) -> float:
-    return value if value > 0 else _TTFT_P99_RED_S
+def _core(name: str) -> Any:
+    """The default of a variable a core config reads, as its core field defines it."""
+    return CORE_FIELDS[name].default
+
+
+def _positive_or_default(name: str) -> Any:
+    """A field defaulting as the core does, where PIG reads a value that is not positive as
+    that default (the TTFT thresholds)."""
+    default = _core(name)
+
+    def convert(value: float) -> float:
+        return value if value > 0 else default
+
+    return attrs.field(default=default, converter=convert)
+
+
+def _values(cls: type, env: Environment) -> dict[str, Any]:
+    """Field name -> value of every field of the core config ``cls`` that names a variable."""
+    return {
+        field.name: getattr(env, field.metadata[ENV].lower())
+        for field in attrs.fields(cls)
+        if isinstance(field.metadata.get(ENV), str)
+    }
 
 
 def _dynamic_default(env: Environment) -> bool:
@@ -205,13 +246,13 @@ class Environment:
     upstreams: tuple[str, ...] = ()
     backends: tuple[str, ...] = ()
     token: str = attrs.field(default="", repr=False, metadata={_SECRET: True})
-    global_limit: int = 512
+    global_limit: int = _core("GLOBAL_LIMIT")
     pig_paths: tuple[str, ...] = DEFAULT_QOS_PATHS
     pig_path_suffix_match: bool = False
     proxy_timeout_seconds: int = 1800
     pig_status_log_interval_seconds: int = 5
-    pig_queue_wait_seconds: float = 0.5
-    pig_queue_poll_ms: int = 100
+    pig_queue_wait_seconds: float = _core("PIG_QUEUE_WAIT_SECONDS")
+    pig_queue_poll_ms: int = default_of(GateConfig, "queue_poll_ms")
     # -- inference-guard's own (PRODUCT.md)
     pig_retry_after_seconds: int = 1
     pig_drain_seconds: float = 30.0
@@ -270,14 +311,14 @@ class Environment:
     long_output_tokens: int = 4096
     very_long_output_tokens: int = 8192
     adaptive_output_classification: bool = False
-    adaptive_output_window: int = 512
-    adaptive_output_min_samples: int = 32
-    adaptive_output_medium_quantile: float = 0.50
-    adaptive_output_long_quantile: float = 0.90
-    adaptive_output_very_quantile: float = 0.99
-    adaptive_output_green_relax: float = 1.0
-    adaptive_output_yellow_relax: float = 0.5
-    adaptive_output_red_relax: float = 0.0
+    adaptive_output_window: int = _core("ADAPTIVE_OUTPUT_WINDOW")
+    adaptive_output_min_samples: int = _core("ADAPTIVE_OUTPUT_MIN_SAMPLES")
+    adaptive_output_medium_quantile: float = _core("ADAPTIVE_OUTPUT_MEDIUM_QUANTILE")
+    adaptive_output_long_quantile: float = _core("ADAPTIVE_OUTPUT_LONG_QUANTILE")
+    adaptive_output_very_quantile: float = _core("ADAPTIVE_OUTPUT_VERY_QUANTILE")
+    adaptive_output_green_relax: float = _core("ADAPTIVE_OUTPUT_GREEN_RELAX")
+    adaptive_output_yellow_relax: float = _core("ADAPTIVE_OUTPUT_YELLOW_RELAX")
+    adaptive_output_red_relax: float = _core("ADAPTIVE_OUTPUT_RED_RELAX")
     # -- spec 2.5: backend priority injection
     backend_priority_injection_enabled: bool = True
     backend_priority_mode: str = attrs.field(default=PRIORITY_MODES[0], converter=_priority_mode)
@@ -306,51 +347,67 @@ class Environment:
     dynamic_global_green_limit: int = _follows("global_limit")
     dynamic_global_yellow_limit: int = _follows("dynamic_global_green_limit")
     dynamic_global_red_limit: int = _follows("dynamic_global_yellow_limit")
-    dynamic_kv_yellow: float = 0.70
-    dynamic_kv_red: float = 0.80
-    dynamic_running_yellow: int = 0
+    dynamic_kv_yellow: float = _core("DYNAMIC_KV_YELLOW")
+    dynamic_kv_red: float = _core("DYNAMIC_KV_RED")
+    dynamic_running_yellow: int = _core("DYNAMIC_RUNNING_YELLOW")
     dynamic_running_red: int = _follows("dynamic_running_yellow")
-    dynamic_waiting_yellow: int = 1
-    dynamic_waiting_red: int = 2
-    dynamic_preemption_delta_red: int = 1
+    dynamic_waiting_yellow: int = _core("DYNAMIC_WAITING_YELLOW")
+    dynamic_waiting_red: int = _core("DYNAMIC_WAITING_RED")
+    dynamic_preemption_delta_red: int = _core("DYNAMIC_PREEMPTION_DELTA_RED")
     dynamic_pressure_limit_enabled: bool = _follows("dynamic_pig_enabled")
-    dynamic_pressure_headroom: int = 1
-    dynamic_pressure_min_limit: int = 1
-    dynamic_pressure_learn_ratio: float = 0.75
-    dynamic_pressure_learn_min_running: int = 16
+    dynamic_pressure_headroom: int = _core("DYNAMIC_PRESSURE_HEADROOM")
+    dynamic_pressure_min_limit: int = _core("DYNAMIC_PRESSURE_MIN_LIMIT")
+    dynamic_pressure_learn_ratio: float = _core("DYNAMIC_PRESSURE_LEARN_RATIO")
+    dynamic_pressure_learn_min_running: int = _core("DYNAMIC_PRESSURE_LEARN_MIN_RUNNING")
     dynamic_single_user_tps_enabled: bool = _follows("dynamic_pig_enabled")
-    dynamic_single_user_tps_yellow: float = 25.0
-    dynamic_single_user_tps_red: float = 20.0
-    dynamic_single_user_tps_min_running: int = 1
-    dynamic_single_user_tps_yellow_consecutive: int = 2
-    dynamic_single_user_tps_red_consecutive: int = 3
-    dynamic_single_user_tps_prefill_grace_min_seconds: float = 2.0
-    dynamic_single_user_tps_prefill_grace_max_seconds: float = 30.0
-    dynamic_single_user_tps_prefill_grace_body_bytes_per_second: float = 65536.0
-    dynamic_single_user_tps_prefill_grace_multiplier: float = 1.0
-    dynamic_single_user_tps_capacity_ratio: float = 0.42
-    dynamic_single_user_tps_capacity_ratio_max: float = 0.85
-    dynamic_single_user_tps_capacity_smoothing: float = 0.85
+    dynamic_single_user_tps_yellow: float = _core("DYNAMIC_SINGLE_USER_TPS_YELLOW")
+    dynamic_single_user_tps_red: float = _core("DYNAMIC_SINGLE_USER_TPS_RED")
+    dynamic_single_user_tps_min_running: int = _core("DYNAMIC_SINGLE_USER_TPS_MIN_RUNNING")
+    dynamic_single_user_tps_yellow_consecutive: int = _core(
+        "DYNAMIC_SINGLE_USER_TPS_YELLOW_CONSECUTIVE"
+    )
+    dynamic_single_user_tps_red_consecutive: int = _core("DYNAMIC_SINGLE_USER_TPS_RED_CONSECUTIVE")
+    dynamic_single_user_tps_prefill_grace_min_seconds: float = _core(
+        "DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MIN_SECONDS"
+    )
+    dynamic_single_user_tps_prefill_grace_max_seconds: float = _core(
+        "DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MAX_SECONDS"
+    )
+    dynamic_single_user_tps_prefill_grace_body_bytes_per_second: float = _core(
+        "DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_BODY_BYTES_PER_SECOND"
+    )
+    dynamic_single_user_tps_prefill_grace_multiplier: float = _core(
+        "DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MULTIPLIER"
+    )
+    dynamic_single_user_tps_capacity_ratio: float = _core("DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO")
+    dynamic_single_user_tps_capacity_ratio_max: float = _core(
+        "DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO_MAX"
+    )
+    dynamic_single_user_tps_capacity_smoothing: float = _core(
+        "DYNAMIC_SINGLE_USER_TPS_CAPACITY_SMOOTHING"
+    )
     dynamic_single_user_tps_capacity_learn_enabled: bool = _follows("dynamic_pig_enabled")
-    dynamic_single_user_tps_capacity_ratio_step_up: float = 0.02
-    dynamic_single_user_tps_capacity_healthy_consecutive: int = 10
-    dynamic_single_user_tps_capacity_healthy_multiplier: float = 1.5
+    dynamic_single_user_tps_capacity_ratio_step_up: float = _core(
+        "DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO_STEP_UP"
+    )
+    dynamic_single_user_tps_capacity_healthy_consecutive: int = _core(
+        "DYNAMIC_SINGLE_USER_TPS_CAPACITY_HEALTHY_CONSECUTIVE"
+    )
+    dynamic_single_user_tps_capacity_healthy_multiplier: float = _core(
+        "DYNAMIC_SINGLE_USER_TPS_CAPACITY_HEALTHY_MULTIPLIER"
+    )
     dynamic_ttft_enabled: bool = _follows("dynamic_single_user_tps_enabled")
-    dynamic_ttft_target_seconds: float = attrs.field(default=_TTFT_TARGET_S, converter=_ttft_target)
-    dynamic_ttft_red_seconds: float = attrs.field(default=_TTFT_RED_S, converter=_ttft_red)
-    dynamic_ttft_p99_target_seconds: float = attrs.field(
-        default=_TTFT_P99_TARGET_S, converter=_ttft_p99_target
-    )
-    dynamic_ttft_p99_red_seconds: float = attrs.field(
-        default=_TTFT_P99_RED_S, converter=_ttft_p99_red
-    )
+    dynamic_ttft_target_seconds: float = _positive_or_default("DYNAMIC_TTFT_TARGET_SECONDS")
+    dynamic_ttft_red_seconds: float = _positive_or_default("DYNAMIC_TTFT_RED_SECONDS")
+    dynamic_ttft_p99_target_seconds: float = _positive_or_default("DYNAMIC_TTFT_P99_TARGET_SECONDS")
+    dynamic_ttft_p99_red_seconds: float = _positive_or_default("DYNAMIC_TTFT_P99_RED_SECONDS")
     # -- inference-guard's predictive learner (DYNAMIC_POLICY=predictive)
     dynamic_policy: str = attrs.field(default=POLICIES[0], converter=_word, metadata={_WORD: True})
-    dynamic_predictive_batch_tokens: int = 2048
-    dynamic_predictive_forgetting: float = 0.9
-    dynamic_predictive_kv_limit: float = 0.9
-    dynamic_predictive_bytes_per_token: float = 4.0
-    dynamic_predictive_horizon_seconds: float = 3.0
+    dynamic_predictive_batch_tokens: int = _core("DYNAMIC_PREDICTIVE_BATCH_TOKENS")
+    dynamic_predictive_forgetting: float = _core("DYNAMIC_PREDICTIVE_FORGETTING")
+    dynamic_predictive_kv_limit: float = _core("DYNAMIC_PREDICTIVE_KV_LIMIT")
+    dynamic_predictive_bytes_per_token: float = _core("DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN")
+    dynamic_predictive_horizon_seconds: float = _core("DYNAMIC_PREDICTIVE_HORIZON_SECONDS")
     pig_retry_after_mode: str = attrs.field(
         default=attrs.Factory(_retry_after_mode_default, takes_self=True),
         converter=_word,
@@ -372,6 +429,7 @@ _FIELDS: Final[dict[str, attrs.Attribute[Any]]] = {
 #: Every environment variable read, in a stable order.
 VARIABLES: Final[tuple[str, ...]] = tuple(_FIELDS)
 _F = attrs.fields(Environment)
+_BY_NAME: Final = attrs.fields_dict(Environment)
 
 
 @attrs.frozen
@@ -504,19 +562,7 @@ class Settings:
         output = self.lane_thresholds.output
         if output is None or not env.adaptive_output_classification:
             return None
-        return AdaptiveOutputConfig(
-            static=output,
-            window=env.adaptive_output_window,
-            min_samples=env.adaptive_output_min_samples,
-            quantiles=(
-                env.adaptive_output_medium_quantile,
-                env.adaptive_output_long_quantile,
-                env.adaptive_output_very_quantile,
-            ),
-            green_relax=env.adaptive_output_green_relax,
-            yellow_relax=env.adaptive_output_yellow_relax,
-            red_relax=env.adaptive_output_red_relax,
-        )
+        return AdaptiveOutputConfig(static=output, **_values(AdaptiveOutputConfig, env))
 
     # -- spec 2.2 and 2.5: the body rewrite (values are checked only while their feature is on)
 
@@ -591,72 +637,33 @@ class Settings:
         return self.env.openai_compat_fail_open
 
     def guard_config(self) -> GuardConfig:
-        """The pure core's settings."""
+        """The pure core's settings, each field read from the variable it names."""
         env = self.env
-        poll_ms = env.pig_queue_poll_ms if env.pig_queue_poll_ms > 0 else _FALLBACK_POLL_MS
-        gate = GateConfig(
-            global_limit=env.global_limit,
-            dynamic=self.dynamic_enforced,
-            queue_wait_s=env.pig_queue_wait_seconds,
-            queue_poll_ms=poll_ms,
-            kv_red=env.dynamic_kv_red,
-            waiting_red=env.dynamic_waiting_red,
-        )
         signals = SignalThresholds.from_global_limit(
             env.global_limit,
             green=env.dynamic_global_green_limit,
             yellow=env.dynamic_global_yellow_limit,
             red=env.dynamic_global_red_limit,
-            kv_yellow=env.dynamic_kv_yellow,
-            kv_red=env.dynamic_kv_red,
-            running_yellow=env.dynamic_running_yellow,
-            running_red=env.dynamic_running_red,
-            waiting_yellow=env.dynamic_waiting_yellow,
-            waiting_red=env.dynamic_waiting_red,
-            preemption_delta_red=env.dynamic_preemption_delta_red,
+            **{
+                name: value
+                for name, value in _values(SignalThresholds, env).items()
+                if not name.endswith("_limit")
+            },
         )
-        policy = PolicyConfig(
+        gate = GateConfig(
             global_limit=env.global_limit,
-            signals=signals,
-            pressure_enabled=env.dynamic_pressure_limit_enabled,
-            pressure_headroom=env.dynamic_pressure_headroom,
-            pressure_min_limit=env.dynamic_pressure_min_limit,
-            pressure_learn_ratio=env.dynamic_pressure_learn_ratio,
-            pressure_learn_min_running=env.dynamic_pressure_learn_min_running,
-            user_tps_enabled=env.dynamic_single_user_tps_enabled,
-            user_tps_yellow=env.dynamic_single_user_tps_yellow,
-            user_tps_red=env.dynamic_single_user_tps_red,
-            user_tps_min_running=env.dynamic_single_user_tps_min_running,
-            user_tps_yellow_consecutive=env.dynamic_single_user_tps_yellow_consecutive,
-            user_tps_red_consecutive=env.dynamic_single_user_tps_red_consecutive,
-            prefill_grace_min_s=env.dynamic_single_user_tps_prefill_grace_min_seconds,
-            prefill_grace_max_s=env.dynamic_single_user_tps_prefill_grace_max_seconds,
-            prefill_grace_bytes_per_s=(
-                env.dynamic_single_user_tps_prefill_grace_body_bytes_per_second
-            ),
-            prefill_grace_multiplier=env.dynamic_single_user_tps_prefill_grace_multiplier,
-            capacity_ratio=env.dynamic_single_user_tps_capacity_ratio,
-            capacity_ratio_max=env.dynamic_single_user_tps_capacity_ratio_max,
-            capacity_smoothing=env.dynamic_single_user_tps_capacity_smoothing,
-            capacity_learn_enabled=env.dynamic_single_user_tps_capacity_learn_enabled,
-            capacity_step_up=env.dynamic_single_user_tps_capacity_ratio_step_up,
-            capacity_healthy_consecutive=env.dynamic_single_user_tps_capacity_healthy_consecutive,
-            capacity_healthy_multiplier=env.dynamic_single_user_tps_capacity_healthy_multiplier,
-            ttft_enabled=env.dynamic_ttft_enabled,
-            ttft_target_s=env.dynamic_ttft_target_seconds,
-            ttft_red_s=env.dynamic_ttft_red_seconds,
-            ttft_p99_target_s=env.dynamic_ttft_p99_target_seconds,
-            ttft_p99_red_s=env.dynamic_ttft_p99_red_seconds,
+            dynamic=self.dynamic_enforced,
+            queue_wait_s=env.pig_queue_wait_seconds,
+            queue_poll_ms=env.pig_queue_poll_ms if env.pig_queue_poll_ms > 0 else _FALLBACK_POLL_MS,
+            kv_red=signals.kv_red,
+            waiting_red=signals.waiting_red,
         )
+        policy = PolicyConfig(signals=signals, **_values(PolicyConfig, env))
         predictive = None
         if self.predictive_enabled:
-            predictive = PredictiveConfig.from_policy(
-                policy,
-                batch_tokens=env.dynamic_predictive_batch_tokens,
-                forgetting=env.dynamic_predictive_forgetting,
-                kv_limit=env.dynamic_predictive_kv_limit,
-                bytes_per_token=env.dynamic_predictive_bytes_per_token,
-                horizon_s=env.dynamic_predictive_horizon_seconds,
+            predictive = PredictiveConfig(
+                user_tps_floor=min(policy.user_tps_red, policy.user_tps_yellow),
+                **_values(PredictiveConfig, env),
             )
         return GuardConfig(
             gate=gate,
@@ -1007,86 +1014,39 @@ def _split_listen(text: str) -> tuple[str, int] | None:
 # -- ranges and cross-variable rules -----------------------------------------------------------
 
 
-@attrs.frozen
-class _Problem:
-    #: The variables involved; the first one leads the message.
-    variables: tuple[str, ...]
-    text: str
-
-    def __str__(self) -> str:
-        return f"{self.variables[0]}: {self.text}"
-
-
-def _number(value: float) -> str:
-    return repr(value) if isinstance(value, float) else str(value)
-
-
 class _Checks:
-    """Collects problems instead of stopping at the first; one method per kind of rule."""
+    """Collects problems instead of stopping at the first; one method per kind of rule.
+
+    The ranges of the settings the core configs read are not here: those configs carry them
+    (:func:`_core_problems`). These are the adapter's own variables and rules."""
 
     def __init__(self, env: Environment) -> None:
         self.env = env
-        self.found: list[_Problem] = []
+        self.found: list[Problem] = []
 
     def add(self, variables: Iterable[str], text: str) -> None:
-        self.found.append(_Problem(tuple(variables), text))
+        problem = Problem(tuple(variables), text)
+        if problem not in self.found:
+            self.found.append(problem)
 
     def _value(self, field: attrs.Attribute[Any]) -> Any:
         return getattr(self.env, field.name)
 
-    def at_least(
-        self,
-        field: attrs.Attribute[Any],
-        bound: float,
-        *,
-        unless_same_as: attrs.Attribute[Any] | None = None,
-    ) -> None:
-        """``unless_same_as`` names the variable this one follows by default: while the two are
-        equal, that variable's own check already reports the value."""
-        value = self._value(field)
-        if unless_same_as is not None and value == self._value(unless_same_as):
-            return
-        if not value >= bound:
-            self.add([_variable(field)], f"must be >= {bound}, got {_number(value)}")
+    def rule(self, field: attrs.Attribute[Any], *rules: Rule) -> None:
+        """``field`` keeps each rule; a rule's partner is another field of :class:`Environment`."""
+        for rule in rules:
+            partner = None if rule.partner is None else _BY_NAME[rule.partner]
+            partner_value = None if partner is None else self._value(partner)
+            partner_name = "" if partner is None else _variable(partner)
+            text = rule.broken(self._value(field), partner_value, partner_name)
+            if text is not None:
+                self.add([_variable(field), partner_name] if partner else [_variable(field)], text)
+
+    def at_least(self, field: attrs.Attribute[Any], bound: float) -> None:
+        self.rule(field, AtLeast(bound))
 
     def above(self, field: attrs.Attribute[Any], bound: float) -> None:
-        value = self._value(field)
-        if not value > bound:
-            self.add([_variable(field)], f"must be > {bound}, got {_number(value)}")
-
-    def within(
-        self,
-        field: attrs.Attribute[Any],
-        low: float,
-        high: float,
-        *,
-        low_open: bool = False,
-        high_open: bool = False,
-    ) -> None:
-        value = self._value(field)
-        low_ok = value > low if low_open else value >= low
-        high_ok = value < high if high_open else value <= high
-        if not (low_ok and high_ok):
-            interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-            self.add([_variable(field)], f"must be in {interval}, got {_number(value)}")
-
-    def not_above(self, low: attrs.Attribute[Any], high: attrs.Attribute[Any]) -> None:
-        low_value, high_value = self._value(low), self._value(high)
-        if low_value > high_value:
-            self.add(
-                [_variable(low), _variable(high)],
-                f"must not be above {_variable(high)} ({_number(high_value)}),"
-                f" got {_number(low_value)}",
-            )
-
-    def below(self, low: attrs.Attribute[Any], high: attrs.Attribute[Any]) -> None:
-        low_value, high_value = self._value(low), self._value(high)
-        if not low_value < high_value:
-            self.add(
-                [_variable(low), _variable(high)],
-                f"must be below {_variable(high)} ({_number(high_value)}),"
-                f" got {_number(low_value)}",
-            )
+        self.rule(field, Greater(bound))
 
     def one_of(self, field: attrs.Attribute[Any], choices: Sequence[str]) -> None:
         value = self._value(field)
@@ -1113,7 +1073,7 @@ class _Checks:
         for field in fields:
             self.above(field, 0)
         for low, high in itertools.pairwise(fields):
-            self.below(low, high)
+            self.rule(low, Below(high.name))
 
 
 def _path_problems(checks: _Checks, field: attrs.Attribute[Any], *, required: bool) -> None:
@@ -1173,7 +1133,7 @@ def _routing_problems(checks: _Checks, routing: _Routing) -> None:
             )
 
 
-def _problems(env: Environment) -> list[_Problem]:
+def _problems(env: Environment) -> list[Problem]:
     """Every range and cross-variable rule of spec 2 that ``env`` breaks."""
     c = _Checks(env)
     f = _F
@@ -1181,11 +1141,9 @@ def _problems(env: Environment) -> list[_Problem]:
     if _split_listen(env.listen) is None:
         c.add(["LISTEN"], f"expected [host]:port with a numeric port, got {_shown(env.listen)}")
     _routing_problems(c, _resolve_routing(env))
-    c.at_least(f.global_limit, 0)
     _path_problems(c, f.pig_paths, required=True)
     c.above(f.proxy_timeout_seconds, 0)
     c.at_least(f.pig_status_log_interval_seconds, 0)
-    c.at_least(f.pig_queue_wait_seconds, 0)
     if env.pig_queue_wait_seconds > 0:
         c.above(f.pig_queue_poll_ms, 0)
     c.at_least(f.pig_retry_after_seconds, 0)
@@ -1198,9 +1156,25 @@ def _problems(env: Environment) -> list[_Problem]:
     c.at_least(f.pig_upstream_idle_timeout_seconds, 0)
     _path_problems(c, f.pig_forward_paths, required=False)
     _feature_problems(c)
-    _dynamic_problems(c)
+    c.above(f.dynamic_poll_interval_ms, 0)
+    _core_problems(c)
     _predictive_problems(c)
     return c.found
+
+
+def _core_problems(c: _Checks) -> None:
+    """The ranges the core configs carry, checked on the values they would be built from: the
+    adaptive thresholds' while ``ADAPTIVE_OUTPUT_CLASSIFICATION`` is on, the predictive
+    learner's while it is chosen, the others always (each stage's own rules apply while its
+    flag is on). A rule shared by two configs is reported once."""
+    env = c.env
+    for cls in _CORE_CONFIGS:
+        if cls is AdaptiveOutputConfig and not env.adaptive_output_classification:
+            continue
+        if cls is PredictiveConfig and env.dynamic_policy != POLICIES[1]:
+            continue
+        for problem in problems(cls, _values(cls, env)):
+            c.add(problem.variables, problem.text)
 
 
 def _feature_problems(c: _Checks) -> None:
@@ -1223,25 +1197,6 @@ def _feature_problems(c: _Checks) -> None:
         c.above(f.json_classify_body_bytes, 0)
         c.above(f.json_classify_limit, 0)
         c.increasing((f.medium_output_tokens, f.long_output_tokens, f.very_long_output_tokens))
-    if env.adaptive_output_classification:
-        c.above(f.adaptive_output_window, 0)
-        c.at_least(f.adaptive_output_min_samples, 0)
-        c.not_above(f.adaptive_output_min_samples, f.adaptive_output_window)
-        quantiles = (
-            f.adaptive_output_medium_quantile,
-            f.adaptive_output_long_quantile,
-            f.adaptive_output_very_quantile,
-        )
-        relax = (
-            f.adaptive_output_red_relax,
-            f.adaptive_output_yellow_relax,
-            f.adaptive_output_green_relax,
-        )
-        for ordered in (quantiles, relax):
-            for field in ordered:
-                c.within(field, 0, 1)
-            for low, high in itertools.pairwise(ordered):
-                c.not_above(low, high)
     # spec 2.5
     if env.backend_priority_injection_enabled:
         c.one_of(f.backend_priority_mode, PRIORITY_MODES)
@@ -1251,56 +1206,6 @@ def _feature_problems(c: _Checks) -> None:
         c.at_least(f.backend_priority_buffer_bytes, 0)
         c.above(f.backend_priority_stream_buffer_bytes, 0)
         c.above(f.backend_priority_rewrite_limit, 0)
-
-
-def _dynamic_problems(c: _Checks) -> None:
-    """Spec 2.6."""
-    env, f = c.env, _F
-    # spec 2.6, always checked
-    c.above(f.dynamic_poll_interval_ms, 0)
-    c.at_least(f.dynamic_global_green_limit, 0, unless_same_as=f.global_limit)
-    c.at_least(f.dynamic_global_yellow_limit, 0, unless_same_as=f.dynamic_global_green_limit)
-    c.at_least(f.dynamic_global_red_limit, 0, unless_same_as=f.dynamic_global_yellow_limit)
-    for yellow, red in (
-        (f.dynamic_kv_yellow, f.dynamic_kv_red),
-        (f.dynamic_running_yellow, f.dynamic_running_red),
-        (f.dynamic_waiting_yellow, f.dynamic_waiting_red),
-    ):
-        c.at_least(yellow, 0)
-        c.at_least(red, 0, unless_same_as=yellow)
-        c.not_above(yellow, red)
-    c.at_least(f.dynamic_preemption_delta_red, 0)
-    if env.dynamic_pressure_limit_enabled:
-        c.at_least(f.dynamic_pressure_headroom, 0)
-        c.at_least(f.dynamic_pressure_min_limit, 0)
-        c.within(f.dynamic_pressure_learn_ratio, 0, 1, low_open=True)
-        c.at_least(f.dynamic_pressure_learn_min_running, 0)
-    if env.dynamic_single_user_tps_enabled:
-        c.above(f.dynamic_single_user_tps_yellow, 0)
-        c.above(f.dynamic_single_user_tps_red, 0)
-        c.not_above(f.dynamic_single_user_tps_red, f.dynamic_single_user_tps_yellow)
-        c.above(f.dynamic_single_user_tps_min_running, 0)
-        c.above(f.dynamic_single_user_tps_yellow_consecutive, 0)
-        c.above(f.dynamic_single_user_tps_red_consecutive, 0)
-        c.at_least(f.dynamic_single_user_tps_prefill_grace_min_seconds, 0)
-        c.not_above(
-            f.dynamic_single_user_tps_prefill_grace_min_seconds,
-            f.dynamic_single_user_tps_prefill_grace_max_seconds,
-        )
-        c.above(f.dynamic_single_user_tps_prefill_grace_body_bytes_per_second, 0)
-        c.above(f.dynamic_single_user_tps_prefill_grace_multiplier, 0)
-        c.within(f.dynamic_single_user_tps_capacity_ratio, 0, 1, low_open=True)
-        c.within(f.dynamic_single_user_tps_capacity_ratio_max, 0, 1)
-        c.not_above(
-            f.dynamic_single_user_tps_capacity_ratio, f.dynamic_single_user_tps_capacity_ratio_max
-        )
-        c.within(f.dynamic_single_user_tps_capacity_smoothing, 0, 1, high_open=True)
-        c.within(f.dynamic_single_user_tps_capacity_ratio_step_up, 0, 1, low_open=True)
-        c.above(f.dynamic_single_user_tps_capacity_healthy_consecutive, 0)
-        c.at_least(f.dynamic_single_user_tps_capacity_healthy_multiplier, 1)
-    if env.dynamic_ttft_enabled:
-        c.not_above(f.dynamic_ttft_target_seconds, f.dynamic_ttft_red_seconds)
-        c.not_above(f.dynamic_ttft_p99_target_seconds, f.dynamic_ttft_p99_red_seconds)
 
 
 def _predictive_problems(c: _Checks) -> None:
@@ -1316,11 +1221,3 @@ def _predictive_problems(c: _Checks) -> None:
             "predictive needs dynamic mode (DYNAMIC_PIG_ENABLED on, with a metrics URL):"
             " it learns from the backends' metrics",
         )
-    c.at_least(f.dynamic_predictive_batch_tokens, 16)
-    c.within(f.dynamic_predictive_forgetting, 0.5, 1, high_open=True)
-    c.within(f.dynamic_predictive_kv_limit, 0, 1, low_open=True)
-    c.above(f.dynamic_predictive_bytes_per_token, 0)
-    c.within(f.dynamic_predictive_horizon_seconds, 0.5, 60)
-    if not env.dynamic_single_user_tps_enabled:
-        # The predictive learner's speed target; checked above already while PIG's stage is on.
-        c.above(f.dynamic_single_user_tps_yellow, 0)
