@@ -73,6 +73,7 @@ import cattrs
 from cattrs.gen import make_dict_structure_fn, override
 
 from guard_adapters._errors import ConfigError
+from guard_adapters.openai_body import InjectionPolicy
 from guard_core.decision import LoadState
 from guard_core.gate import GateConfig
 from guard_core.guard import GuardConfig
@@ -179,8 +180,13 @@ def _positive_or_default(name: str) -> Any:
     return attrs.field(default=default, converter=convert)
 
 
+def _rewrite_default(name: str) -> Any:
+    """The default of a body rewrite setting, as :class:`InjectionPolicy` defines it."""
+    return default_of(InjectionPolicy, name)
+
+
 def _values(cls: type, env: Environment) -> dict[str, Any]:
-    """Field name -> value of every field of the core config ``cls`` that names a variable."""
+    """Field name -> value of every field of the config ``cls`` that names a variable."""
     return {
         field.name: getattr(env, field.metadata[ENV].lower())
         for field in attrs.fields(cls)
@@ -272,9 +278,9 @@ class Environment:
     )
     api_auth_paths: tuple[str, ...] = _follows("pig_paths")
     upstream_error_classification_enabled: bool = True
-    openai_compat_strip_empty_tool_calls: bool = True
-    openai_compat_body_bytes: int = 33_554_432
-    openai_compat_fail_open: bool = True
+    openai_compat_strip_empty_tool_calls: bool = _rewrite_default("strip_empty_tool_calls")
+    openai_compat_body_bytes: int = _rewrite_default("compat_body_bytes")
+    openai_compat_fail_open: bool = _rewrite_default("compat_fail_open")
     # -- spec 2.3: attestation
     attestation_enabled: bool = True
     dstack_simulator_endpoint: str = ""
@@ -320,21 +326,21 @@ class Environment:
     adaptive_output_yellow_relax: float = _core("ADAPTIVE_OUTPUT_YELLOW_RELAX")
     adaptive_output_red_relax: float = _core("ADAPTIVE_OUTPUT_RED_RELAX")
     # -- spec 2.5: backend priority injection
-    backend_priority_injection_enabled: bool = True
+    backend_priority_injection_enabled: bool = _rewrite_default("enabled")
     backend_priority_mode: str = attrs.field(default=PRIORITY_MODES[0], converter=_priority_mode)
     backend_priority_rewrite_strategy: str = attrs.field(
         default=REWRITE_STRATEGIES[0], converter=_rewrite_strategy
     )
-    backend_priority_field: str = "priority"
-    backend_priority_premium_value: int = -100
-    backend_priority_basic_value: int = 0
-    backend_priority_body_bytes: int = 33_554_432
-    backend_priority_buffer_bytes: int = 0
-    backend_priority_stream_buffer_bytes: int = 2_097_152
+    backend_priority_field: str = _rewrite_default("field")
+    backend_priority_premium_value: int = _rewrite_default("premium_value")
+    backend_priority_basic_value: int = _rewrite_default("basic_value")
+    backend_priority_body_bytes: int = _rewrite_default("body_bytes")
+    backend_priority_buffer_bytes: int = _rewrite_default("buffer_bytes")
+    backend_priority_stream_buffer_bytes: int = _rewrite_default("stream_buffer_bytes")
     backend_priority_rewrite_limit: int = attrs.field(
         default=attrs.Factory(_slot_default, takes_self=True)
     )
-    backend_priority_fail_open: bool = True
+    backend_priority_fail_open: bool = _rewrite_default("fail_open")
     # -- spec 2.6: dynamic QoS
     dynamic_metrics_url: str = ""
     dynamic_metrics_urls: tuple[str, ...] = ()
@@ -518,11 +524,6 @@ class Settings:
         seconds when it has them (``PIG_RETRY_AFTER_SECONDS`` otherwise; 0 still means none)."""
         return self.env.pig_retry_after_mode == RETRY_AFTER_MODES[1]
 
-    @property
-    def api_auth_enabled(self) -> bool:
-        """``API_AUTH_ENABLED``: POSTs to :attr:`auth_paths` need ``Bearer <TOKEN>``."""
-        return self.env.api_auth_enabled
-
     # -- spec 2.3
 
     @property
@@ -566,75 +567,17 @@ class Settings:
 
     # -- spec 2.2 and 2.5: the body rewrite (values are checked only while their feature is on)
 
-    @property
-    def priority_enabled(self) -> bool:
-        """``BACKEND_PRIORITY_INJECTION_ENABLED``."""
-        return self.env.backend_priority_injection_enabled
+    def injection_policy(self) -> InjectionPolicy:
+        """The body rewrite's settings (spec 2.2 compat cleanup, 2.5 priority injection), each
+        field read from the variable it names.
 
-    @property
-    def priority_mode(self) -> str:
-        """``BACKEND_PRIORITY_MODE``: ``all`` or ``premium_only`` (lower-cased)."""
-        return self.env.backend_priority_mode
-
-    @property
-    def priority_strategy(self) -> str:
-        """``BACKEND_PRIORITY_REWRITE_STRATEGY``: ``field_scan`` or ``append_last``."""
-        return self.env.backend_priority_rewrite_strategy
-
-    @property
-    def priority_field(self) -> str:
-        """``BACKEND_PRIORITY_FIELD``: the top-level member written first."""
-        return self.env.backend_priority_field
-
-    @property
-    def priority_premium_value(self) -> int:
-        """``BACKEND_PRIORITY_PREMIUM_VALUE``."""
-        return self.env.backend_priority_premium_value
-
-    @property
-    def priority_basic_value(self) -> int:
-        """``BACKEND_PRIORITY_BASIC_VALUE``."""
-        return self.env.backend_priority_basic_value
-
-    @property
-    def priority_body_bytes(self) -> int:
-        """``BACKEND_PRIORITY_BODY_BYTES``: the largest Content-Length rewritten."""
-        return self.env.backend_priority_body_bytes
-
-    @property
-    def priority_buffer_bytes(self) -> int:
-        """``BACKEND_PRIORITY_BUFFER_BYTES``: field_scan rewrites up to this size are buffered."""
-        return self.env.backend_priority_buffer_bytes
-
-    @property
-    def priority_stream_buffer_bytes(self) -> int:
-        """``BACKEND_PRIORITY_STREAM_BUFFER_BYTES``: scanner and safety-buffer ceiling."""
-        return self.env.backend_priority_stream_buffer_bytes
-
-    @property
-    def priority_rewrite_limit(self) -> int:
-        """``BACKEND_PRIORITY_REWRITE_LIMIT``: concurrent rewrite slots."""
-        return self.env.backend_priority_rewrite_limit
-
-    @property
-    def priority_fail_open(self) -> bool:
-        """``BACKEND_PRIORITY_FAIL_OPEN``."""
-        return self.env.backend_priority_fail_open
-
-    @property
-    def compat_strip_empty_tool_calls(self) -> bool:
-        """``OPENAI_COMPAT_STRIP_EMPTY_TOOL_CALLS``."""
-        return self.env.openai_compat_strip_empty_tool_calls
-
-    @property
-    def compat_body_bytes(self) -> int:
-        """``OPENAI_COMPAT_BODY_BYTES``: the largest Content-Length cleaned up."""
-        return self.env.openai_compat_body_bytes
-
-    @property
-    def compat_fail_open(self) -> bool:
-        """``OPENAI_COMPAT_FAIL_OPEN``."""
-        return self.env.openai_compat_fail_open
+        :class:`~guard_adapters.openai_body.InjectionPolicy` checks ``BACKEND_PRIORITY_MODE``,
+        ``BACKEND_PRIORITY_REWRITE_STRATEGY`` and ``BACKEND_PRIORITY_STREAM_BUFFER_BYTES`` even
+        while injection is off (they shape the compat cleanup too), so this raises its
+        :class:`ConfigError` for those, where :func:`load_config`, as PIG, checks them only
+        while injecting.
+        """
+        return InjectionPolicy(**_values(InjectionPolicy, self.env))
 
     def guard_config(self) -> GuardConfig:
         """The pure core's settings, each field read from the variable it names."""

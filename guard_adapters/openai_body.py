@@ -66,6 +66,7 @@ from typing import Final, Literal
 import attrs
 
 from guard_adapters._errors import BodyRewriteError, ConfigError
+from guard_core.settings import setting
 from guard_core.tier import Tier
 
 __all__ = (
@@ -104,27 +105,30 @@ CounterName = Literal["rewritten", "skipped", "failed"]
 class InjectionPolicy:
     """The settings of spec 2.2 (compat cleanup) and 2.5 (priority injection), PIG's defaults.
 
-    The field names follow the variables: ``enabled`` is ``BACKEND_PRIORITY_INJECTION_ENABLED``,
-    ``strip_empty_tool_calls`` is ``OPENAI_COMPAT_STRIP_EMPTY_TOOL_CALLS`` and so on. As in PIG,
+    Each field names the variable it is read from (``metadata["env"]``, see
+    :mod:`guard_core.settings`) and holds its default, which the config adapter uses. As in PIG,
     the injection ranges are checked only while injection is on and the compat size only while
     stripping is on; ``mode`` and ``strategy`` are always checked. A bad value raises
     :class:`~guard_adapters._errors.ConfigError` naming every offending variable.
     """
 
-    enabled: bool = True
-    mode: Literal["all", "premium_only"] = "all"
-    strategy: Literal["field_scan", "append_last"] = "field_scan"
-    field: str = "priority"
-    premium_value: int = -100
-    basic_value: int = 0
-    body_bytes: int = 32 * MIB
-    buffer_bytes: int = 0
-    stream_buffer_bytes: int = 2 * MIB
-    rewrite_limit: int = 64
-    fail_open: bool = True
-    strip_empty_tool_calls: bool = True
-    compat_body_bytes: int = 32 * MIB
-    compat_fail_open: bool = True
+    enabled: bool = setting(True, env="BACKEND_PRIORITY_INJECTION_ENABLED")
+    mode: Literal["all", "premium_only"] = setting("all", env="BACKEND_PRIORITY_MODE")
+    strategy: Literal["field_scan", "append_last"] = setting(
+        "field_scan", env="BACKEND_PRIORITY_REWRITE_STRATEGY"
+    )
+    field: str = setting("priority", env="BACKEND_PRIORITY_FIELD")
+    premium_value: int = setting(-100, env="BACKEND_PRIORITY_PREMIUM_VALUE")
+    basic_value: int = setting(0, env="BACKEND_PRIORITY_BASIC_VALUE")
+    body_bytes: int = setting(32 * MIB, env="BACKEND_PRIORITY_BODY_BYTES")
+    buffer_bytes: int = setting(0, env="BACKEND_PRIORITY_BUFFER_BYTES")
+    stream_buffer_bytes: int = setting(2 * MIB, env="BACKEND_PRIORITY_STREAM_BUFFER_BYTES")
+    #: The configured count follows ``GLOBAL_LIMIT`` (see the config adapter); 64 at most.
+    rewrite_limit: int = setting(64, env="BACKEND_PRIORITY_REWRITE_LIMIT")
+    fail_open: bool = setting(True, env="BACKEND_PRIORITY_FAIL_OPEN")
+    strip_empty_tool_calls: bool = setting(True, env="OPENAI_COMPAT_STRIP_EMPTY_TOOL_CALLS")
+    compat_body_bytes: int = setting(32 * MIB, env="OPENAI_COMPAT_BODY_BYTES")
+    compat_fail_open: bool = setting(True, env="OPENAI_COMPAT_FAIL_OPEN")
 
     def __attrs_post_init__(self) -> None:
         problems: list[str] = []
