@@ -148,11 +148,11 @@ _CORE_CONFIGS: Final = (
 )
 
 
-def _core_fields() -> dict[str, attrs.Attribute[Any]]:
-    """Variable -> the first core field read from it (configs that share one agree on its
+def _config_fields() -> dict[str, attrs.Attribute[Any]]:
+    """Variable -> the first config field read from it (configs that share one agree on its
     default; a test checks that)."""
     found: dict[str, attrs.Attribute[Any]] = {}
-    for cls in _CORE_CONFIGS:
+    for cls in (*_CORE_CONFIGS, InjectionPolicy):
         for field in attrs.fields(cls):
             name = field.metadata.get(ENV)
             if isinstance(name, str):
@@ -160,29 +160,40 @@ def _core_fields() -> dict[str, attrs.Attribute[Any]]:
     return found
 
 
-#: Every variable a core config reads, with the field that holds its default and rules.
-CORE_FIELDS: Final = _core_fields()
+#: Every variable a core config or the body rewrite reads, with the field that holds its
+#: default (and, for the core, its range rules).
+CONFIG_FIELDS: Final = _config_fields()
 
 
-def _core(name: str) -> Any:
-    """The default of a variable a core config reads, as its core field defines it."""
-    return CORE_FIELDS[name].default
+class _FromConfig:
+    def __repr__(self) -> str:
+        return "FROM_CONFIG"
+
+
+#: An :class:`Environment` default that stands for the default of the config field read from
+#: the same variable (:data:`CONFIG_FIELDS`), so that it is written once, on that field.
+FROM_CONFIG: Final[Any] = _FromConfig()
+
+
+def _config_defaults(_cls: type, fields: list[attrs.Attribute[Any]]) -> list[attrs.Attribute[Any]]:
+    """attrs field transformer of :class:`Environment`: resolves :data:`FROM_CONFIG`."""
+    return [
+        field.evolve(default=CONFIG_FIELDS[field.name.upper()].default)
+        if field.default is FROM_CONFIG
+        else field
+        for field in fields
+    ]
 
 
 def _positive_or_default(name: str) -> Any:
-    """A field defaulting as the core does, where PIG reads a value that is not positive as
-    that default (the TTFT thresholds)."""
-    default = _core(name)
+    """The config's default, where PIG reads a value that is not positive as that default
+    (the TTFT thresholds)."""
+    default: float = CONFIG_FIELDS[name].default
 
     def convert(value: float) -> float:
         return value if value > 0 else default
 
     return attrs.field(default=default, converter=convert)
-
-
-def _rewrite_default(name: str) -> Any:
-    """The default of a body rewrite setting, as :class:`InjectionPolicy` defines it."""
-    return default_of(InjectionPolicy, name)
 
 
 def _values(cls: type, env: Environment) -> dict[str, Any]:
@@ -236,7 +247,7 @@ def _follows(name: str) -> Any:
     return attrs.Factory(lambda env: getattr(env, name), takes_self=True)
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, field_transformer=_config_defaults)
 class Environment:
     """The effective value of every variable read, after parsing and defaulting.
 
@@ -252,12 +263,12 @@ class Environment:
     upstreams: tuple[str, ...] = ()
     backends: tuple[str, ...] = ()
     token: str = attrs.field(default="", repr=False, metadata={_SECRET: True})
-    global_limit: int = _core("GLOBAL_LIMIT")
+    global_limit: int = FROM_CONFIG
     pig_paths: tuple[str, ...] = DEFAULT_QOS_PATHS
     pig_path_suffix_match: bool = False
     proxy_timeout_seconds: int = 1800
     pig_status_log_interval_seconds: int = 5
-    pig_queue_wait_seconds: float = _core("PIG_QUEUE_WAIT_SECONDS")
+    pig_queue_wait_seconds: float = FROM_CONFIG
     pig_queue_poll_ms: int = default_of(GateConfig, "queue_poll_ms")
     # -- inference-guard's own (PRODUCT.md)
     pig_retry_after_seconds: int = 1
@@ -278,9 +289,9 @@ class Environment:
     )
     api_auth_paths: tuple[str, ...] = _follows("pig_paths")
     upstream_error_classification_enabled: bool = True
-    openai_compat_strip_empty_tool_calls: bool = _rewrite_default("strip_empty_tool_calls")
-    openai_compat_body_bytes: int = _rewrite_default("compat_body_bytes")
-    openai_compat_fail_open: bool = _rewrite_default("compat_fail_open")
+    openai_compat_strip_empty_tool_calls: bool = FROM_CONFIG
+    openai_compat_body_bytes: int = FROM_CONFIG
+    openai_compat_fail_open: bool = FROM_CONFIG
     # -- spec 2.3: attestation
     attestation_enabled: bool = True
     dstack_simulator_endpoint: str = ""
@@ -317,30 +328,30 @@ class Environment:
     long_output_tokens: int = 4096
     very_long_output_tokens: int = 8192
     adaptive_output_classification: bool = False
-    adaptive_output_window: int = _core("ADAPTIVE_OUTPUT_WINDOW")
-    adaptive_output_min_samples: int = _core("ADAPTIVE_OUTPUT_MIN_SAMPLES")
-    adaptive_output_medium_quantile: float = _core("ADAPTIVE_OUTPUT_MEDIUM_QUANTILE")
-    adaptive_output_long_quantile: float = _core("ADAPTIVE_OUTPUT_LONG_QUANTILE")
-    adaptive_output_very_quantile: float = _core("ADAPTIVE_OUTPUT_VERY_QUANTILE")
-    adaptive_output_green_relax: float = _core("ADAPTIVE_OUTPUT_GREEN_RELAX")
-    adaptive_output_yellow_relax: float = _core("ADAPTIVE_OUTPUT_YELLOW_RELAX")
-    adaptive_output_red_relax: float = _core("ADAPTIVE_OUTPUT_RED_RELAX")
+    adaptive_output_window: int = FROM_CONFIG
+    adaptive_output_min_samples: int = FROM_CONFIG
+    adaptive_output_medium_quantile: float = FROM_CONFIG
+    adaptive_output_long_quantile: float = FROM_CONFIG
+    adaptive_output_very_quantile: float = FROM_CONFIG
+    adaptive_output_green_relax: float = FROM_CONFIG
+    adaptive_output_yellow_relax: float = FROM_CONFIG
+    adaptive_output_red_relax: float = FROM_CONFIG
     # -- spec 2.5: backend priority injection
-    backend_priority_injection_enabled: bool = _rewrite_default("enabled")
+    backend_priority_injection_enabled: bool = FROM_CONFIG
     backend_priority_mode: str = attrs.field(default=PRIORITY_MODES[0], converter=_priority_mode)
     backend_priority_rewrite_strategy: str = attrs.field(
         default=REWRITE_STRATEGIES[0], converter=_rewrite_strategy
     )
-    backend_priority_field: str = _rewrite_default("field")
-    backend_priority_premium_value: int = _rewrite_default("premium_value")
-    backend_priority_basic_value: int = _rewrite_default("basic_value")
-    backend_priority_body_bytes: int = _rewrite_default("body_bytes")
-    backend_priority_buffer_bytes: int = _rewrite_default("buffer_bytes")
-    backend_priority_stream_buffer_bytes: int = _rewrite_default("stream_buffer_bytes")
+    backend_priority_field: str = FROM_CONFIG
+    backend_priority_premium_value: int = FROM_CONFIG
+    backend_priority_basic_value: int = FROM_CONFIG
+    backend_priority_body_bytes: int = FROM_CONFIG
+    backend_priority_buffer_bytes: int = FROM_CONFIG
+    backend_priority_stream_buffer_bytes: int = FROM_CONFIG
     backend_priority_rewrite_limit: int = attrs.field(
         default=attrs.Factory(_slot_default, takes_self=True)
     )
-    backend_priority_fail_open: bool = _rewrite_default("fail_open")
+    backend_priority_fail_open: bool = FROM_CONFIG
     # -- spec 2.6: dynamic QoS
     dynamic_metrics_url: str = ""
     dynamic_metrics_urls: tuple[str, ...] = ()
@@ -353,55 +364,35 @@ class Environment:
     dynamic_global_green_limit: int = _follows("global_limit")
     dynamic_global_yellow_limit: int = _follows("dynamic_global_green_limit")
     dynamic_global_red_limit: int = _follows("dynamic_global_yellow_limit")
-    dynamic_kv_yellow: float = _core("DYNAMIC_KV_YELLOW")
-    dynamic_kv_red: float = _core("DYNAMIC_KV_RED")
-    dynamic_running_yellow: int = _core("DYNAMIC_RUNNING_YELLOW")
+    dynamic_kv_yellow: float = FROM_CONFIG
+    dynamic_kv_red: float = FROM_CONFIG
+    dynamic_running_yellow: int = FROM_CONFIG
     dynamic_running_red: int = _follows("dynamic_running_yellow")
-    dynamic_waiting_yellow: int = _core("DYNAMIC_WAITING_YELLOW")
-    dynamic_waiting_red: int = _core("DYNAMIC_WAITING_RED")
-    dynamic_preemption_delta_red: int = _core("DYNAMIC_PREEMPTION_DELTA_RED")
+    dynamic_waiting_yellow: int = FROM_CONFIG
+    dynamic_waiting_red: int = FROM_CONFIG
+    dynamic_preemption_delta_red: int = FROM_CONFIG
     dynamic_pressure_limit_enabled: bool = _follows("dynamic_pig_enabled")
-    dynamic_pressure_headroom: int = _core("DYNAMIC_PRESSURE_HEADROOM")
-    dynamic_pressure_min_limit: int = _core("DYNAMIC_PRESSURE_MIN_LIMIT")
-    dynamic_pressure_learn_ratio: float = _core("DYNAMIC_PRESSURE_LEARN_RATIO")
-    dynamic_pressure_learn_min_running: int = _core("DYNAMIC_PRESSURE_LEARN_MIN_RUNNING")
+    dynamic_pressure_headroom: int = FROM_CONFIG
+    dynamic_pressure_min_limit: int = FROM_CONFIG
+    dynamic_pressure_learn_ratio: float = FROM_CONFIG
+    dynamic_pressure_learn_min_running: int = FROM_CONFIG
     dynamic_single_user_tps_enabled: bool = _follows("dynamic_pig_enabled")
-    dynamic_single_user_tps_yellow: float = _core("DYNAMIC_SINGLE_USER_TPS_YELLOW")
-    dynamic_single_user_tps_red: float = _core("DYNAMIC_SINGLE_USER_TPS_RED")
-    dynamic_single_user_tps_min_running: int = _core("DYNAMIC_SINGLE_USER_TPS_MIN_RUNNING")
-    dynamic_single_user_tps_yellow_consecutive: int = _core(
-        "DYNAMIC_SINGLE_USER_TPS_YELLOW_CONSECUTIVE"
-    )
-    dynamic_single_user_tps_red_consecutive: int = _core("DYNAMIC_SINGLE_USER_TPS_RED_CONSECUTIVE")
-    dynamic_single_user_tps_prefill_grace_min_seconds: float = _core(
-        "DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MIN_SECONDS"
-    )
-    dynamic_single_user_tps_prefill_grace_max_seconds: float = _core(
-        "DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MAX_SECONDS"
-    )
-    dynamic_single_user_tps_prefill_grace_body_bytes_per_second: float = _core(
-        "DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_BODY_BYTES_PER_SECOND"
-    )
-    dynamic_single_user_tps_prefill_grace_multiplier: float = _core(
-        "DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MULTIPLIER"
-    )
-    dynamic_single_user_tps_capacity_ratio: float = _core("DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO")
-    dynamic_single_user_tps_capacity_ratio_max: float = _core(
-        "DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO_MAX"
-    )
-    dynamic_single_user_tps_capacity_smoothing: float = _core(
-        "DYNAMIC_SINGLE_USER_TPS_CAPACITY_SMOOTHING"
-    )
+    dynamic_single_user_tps_yellow: float = FROM_CONFIG
+    dynamic_single_user_tps_red: float = FROM_CONFIG
+    dynamic_single_user_tps_min_running: int = FROM_CONFIG
+    dynamic_single_user_tps_yellow_consecutive: int = FROM_CONFIG
+    dynamic_single_user_tps_red_consecutive: int = FROM_CONFIG
+    dynamic_single_user_tps_prefill_grace_min_seconds: float = FROM_CONFIG
+    dynamic_single_user_tps_prefill_grace_max_seconds: float = FROM_CONFIG
+    dynamic_single_user_tps_prefill_grace_body_bytes_per_second: float = FROM_CONFIG
+    dynamic_single_user_tps_prefill_grace_multiplier: float = FROM_CONFIG
+    dynamic_single_user_tps_capacity_ratio: float = FROM_CONFIG
+    dynamic_single_user_tps_capacity_ratio_max: float = FROM_CONFIG
+    dynamic_single_user_tps_capacity_smoothing: float = FROM_CONFIG
     dynamic_single_user_tps_capacity_learn_enabled: bool = _follows("dynamic_pig_enabled")
-    dynamic_single_user_tps_capacity_ratio_step_up: float = _core(
-        "DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO_STEP_UP"
-    )
-    dynamic_single_user_tps_capacity_healthy_consecutive: int = _core(
-        "DYNAMIC_SINGLE_USER_TPS_CAPACITY_HEALTHY_CONSECUTIVE"
-    )
-    dynamic_single_user_tps_capacity_healthy_multiplier: float = _core(
-        "DYNAMIC_SINGLE_USER_TPS_CAPACITY_HEALTHY_MULTIPLIER"
-    )
+    dynamic_single_user_tps_capacity_ratio_step_up: float = FROM_CONFIG
+    dynamic_single_user_tps_capacity_healthy_consecutive: int = FROM_CONFIG
+    dynamic_single_user_tps_capacity_healthy_multiplier: float = FROM_CONFIG
     dynamic_ttft_enabled: bool = _follows("dynamic_single_user_tps_enabled")
     dynamic_ttft_target_seconds: float = _positive_or_default("DYNAMIC_TTFT_TARGET_SECONDS")
     dynamic_ttft_red_seconds: float = _positive_or_default("DYNAMIC_TTFT_RED_SECONDS")
@@ -409,11 +400,11 @@ class Environment:
     dynamic_ttft_p99_red_seconds: float = _positive_or_default("DYNAMIC_TTFT_P99_RED_SECONDS")
     # -- inference-guard's predictive learner (DYNAMIC_POLICY=predictive)
     dynamic_policy: str = attrs.field(default=POLICIES[0], converter=_word, metadata={_WORD: True})
-    dynamic_predictive_batch_tokens: int = _core("DYNAMIC_PREDICTIVE_BATCH_TOKENS")
-    dynamic_predictive_forgetting: float = _core("DYNAMIC_PREDICTIVE_FORGETTING")
-    dynamic_predictive_kv_limit: float = _core("DYNAMIC_PREDICTIVE_KV_LIMIT")
-    dynamic_predictive_bytes_per_token: float = _core("DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN")
-    dynamic_predictive_horizon_seconds: float = _core("DYNAMIC_PREDICTIVE_HORIZON_SECONDS")
+    dynamic_predictive_batch_tokens: int = FROM_CONFIG
+    dynamic_predictive_forgetting: float = FROM_CONFIG
+    dynamic_predictive_kv_limit: float = FROM_CONFIG
+    dynamic_predictive_bytes_per_token: float = FROM_CONFIG
+    dynamic_predictive_horizon_seconds: float = FROM_CONFIG
     pig_retry_after_mode: str = attrs.field(
         default=attrs.Factory(_retry_after_mode_default, takes_self=True),
         converter=_word,

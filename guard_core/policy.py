@@ -13,25 +13,50 @@ from typing import Any
 
 import attrs
 
-from guard_core.settings import AtLeast, Greater, NotAbove, Within, require_valid, setting
+from guard_core.settings import (
+    AtLeast,
+    Greater,
+    NotAbove,
+    Rule,
+    Within,
+    default_of,
+    require_valid,
+    setting,
+)
 from guard_core.signal_state import SignalThresholds
 
 __all__ = ("PolicyConfig",)
 
-_PRESSURE = "pressure_enabled"
-_USER_TPS = "user_tps_enabled"
-_TTFT = "ttft_enabled"
+
+def _pressure(default: float, env: str, *rules: Rule) -> Any:
+    """A ``DYNAMIC_PRESSURE_*`` setting: its rules apply while the pressure stage is on."""
+    return setting(default, env=env, rules=rules, when="pressure_enabled")
+
+
+def _user_tps(default: float, env: str, *rules: Rule) -> Any:
+    """A ``DYNAMIC_SINGLE_USER_TPS_*`` setting: its rules apply while that stage is on."""
+    return setting(default, env=env, rules=rules, when="user_tps_enabled")
+
+
+def _ttft(default: float, env: str, *rules: Rule) -> Any:
+    """A ``DYNAMIC_TTFT_*`` setting: its rules apply while the TTFT stage is on."""
+    return setting(default, env=env, rules=rules, when="ttft_enabled")
+
+
+_TPS = "DYNAMIC_SINGLE_USER_TPS_"
 
 
 @attrs.frozen(kw_only=True)
 class PolicyConfig:
     """Every threshold of the capacity learner, each with its ``DYNAMIC_*`` variable and range.
 
-    A stage's ranges apply only while the stage is on (``when``), as PIG checks them.
+    A stage's ranges apply only while the stage is on, as PIG checks them.
     """
 
     #: ``GLOBAL_LIMIT``: no stage ever allows more.
-    global_limit: int = setting(512, env="GLOBAL_LIMIT", rules=(AtLeast(0),))
+    global_limit: int = setting(
+        default_of(SignalThresholds, "global_limit"), env="GLOBAL_LIMIT", rules=(AtLeast(0),)
+    )
     signals: SignalThresholds = attrs.field(
         default=attrs.Factory(
             lambda self: SignalThresholds.from_global_limit(self.global_limit), takes_self=True
@@ -39,112 +64,57 @@ class PolicyConfig:
     )
     # DYNAMIC_PRESSURE_*
     pressure_enabled: bool = setting(True, env="DYNAMIC_PRESSURE_LIMIT_ENABLED")
-    pressure_headroom: int = setting(
-        1, env="DYNAMIC_PRESSURE_HEADROOM", rules=(AtLeast(0),), when=_PRESSURE
+    pressure_headroom: int = _pressure(1, "DYNAMIC_PRESSURE_HEADROOM", AtLeast(0))
+    pressure_min_limit: int = _pressure(1, "DYNAMIC_PRESSURE_MIN_LIMIT", AtLeast(0))
+    pressure_learn_ratio: float = _pressure(
+        0.75, "DYNAMIC_PRESSURE_LEARN_RATIO", Within(0, 1, low_open=True)
     )
-    pressure_min_limit: int = setting(
-        1, env="DYNAMIC_PRESSURE_MIN_LIMIT", rules=(AtLeast(0),), when=_PRESSURE
-    )
-    pressure_learn_ratio: float = setting(
-        0.75,
-        env="DYNAMIC_PRESSURE_LEARN_RATIO",
-        rules=(Within(0, 1, low_open=True),),
-        when=_PRESSURE,
-    )
-    pressure_learn_min_running: int = setting(
-        16, env="DYNAMIC_PRESSURE_LEARN_MIN_RUNNING", rules=(AtLeast(0),), when=_PRESSURE
+    pressure_learn_min_running: int = _pressure(
+        16, "DYNAMIC_PRESSURE_LEARN_MIN_RUNNING", AtLeast(0)
     )
     # DYNAMIC_SINGLE_USER_TPS_*
-    user_tps_enabled: bool = setting(True, env="DYNAMIC_SINGLE_USER_TPS_ENABLED")
-    user_tps_yellow: float = setting(
-        25.0, env="DYNAMIC_SINGLE_USER_TPS_YELLOW", rules=(Greater(0),), when=_USER_TPS
+    user_tps_enabled: bool = setting(True, env=_TPS + "ENABLED")
+    user_tps_yellow: float = _user_tps(25.0, _TPS + "YELLOW", Greater(0))
+    user_tps_red: float = _user_tps(20.0, _TPS + "RED", Greater(0), NotAbove("user_tps_yellow"))
+    user_tps_min_running: int = _user_tps(1, _TPS + "MIN_RUNNING", Greater(0))
+    user_tps_yellow_consecutive: int = _user_tps(2, _TPS + "YELLOW_CONSECUTIVE", Greater(0))
+    user_tps_red_consecutive: int = _user_tps(3, _TPS + "RED_CONSECUTIVE", Greater(0))
+    prefill_grace_min_s: float = _user_tps(
+        2.0, _TPS + "PREFILL_GRACE_MIN_SECONDS", AtLeast(0), NotAbove("prefill_grace_max_s")
     )
-    user_tps_red: float = setting(
-        20.0,
-        env="DYNAMIC_SINGLE_USER_TPS_RED",
-        rules=(Greater(0), NotAbove("user_tps_yellow")),
-        when=_USER_TPS,
+    prefill_grace_max_s: float = setting(30.0, env=_TPS + "PREFILL_GRACE_MAX_SECONDS")
+    prefill_grace_bytes_per_s: float = _user_tps(
+        65536.0, _TPS + "PREFILL_GRACE_BODY_BYTES_PER_SECOND", Greater(0)
     )
-    user_tps_min_running: int = setting(
-        1, env="DYNAMIC_SINGLE_USER_TPS_MIN_RUNNING", rules=(Greater(0),), when=_USER_TPS
-    )
-    user_tps_yellow_consecutive: int = setting(
-        2, env="DYNAMIC_SINGLE_USER_TPS_YELLOW_CONSECUTIVE", rules=(Greater(0),), when=_USER_TPS
-    )
-    user_tps_red_consecutive: int = setting(
-        3, env="DYNAMIC_SINGLE_USER_TPS_RED_CONSECUTIVE", rules=(Greater(0),), when=_USER_TPS
-    )
-    prefill_grace_min_s: float = setting(
-        2.0,
-        env="DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MIN_SECONDS",
-        rules=(AtLeast(0), NotAbove("prefill_grace_max_s")),
-        when=_USER_TPS,
-    )
-    prefill_grace_max_s: float = setting(
-        30.0, env="DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MAX_SECONDS"
-    )
-    prefill_grace_bytes_per_s: float = setting(
-        65536.0,
-        env="DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_BODY_BYTES_PER_SECOND",
-        rules=(Greater(0),),
-        when=_USER_TPS,
-    )
-    prefill_grace_multiplier: float = setting(
-        1.0,
-        env="DYNAMIC_SINGLE_USER_TPS_PREFILL_GRACE_MULTIPLIER",
-        rules=(Greater(0),),
-        when=_USER_TPS,
-    )
-    capacity_ratio: float = setting(
+    prefill_grace_multiplier: float = _user_tps(1.0, _TPS + "PREFILL_GRACE_MULTIPLIER", Greater(0))
+    capacity_ratio: float = _user_tps(
         0.42,
-        env="DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO",
-        rules=(Within(0, 1, low_open=True), NotAbove("capacity_ratio_max")),
-        when=_USER_TPS,
+        _TPS + "CAPACITY_RATIO",
+        Within(0, 1, low_open=True),
+        NotAbove("capacity_ratio_max"),
     )
-    capacity_ratio_max: float = setting(
-        0.85,
-        env="DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO_MAX",
-        rules=(Within(0, 1),),
-        when=_USER_TPS,
+    capacity_ratio_max: float = _user_tps(0.85, _TPS + "CAPACITY_RATIO_MAX", Within(0, 1))
+    capacity_smoothing: float = _user_tps(
+        0.85, _TPS + "CAPACITY_SMOOTHING", Within(0, 1, high_open=True)
     )
-    capacity_smoothing: float = setting(
-        0.85,
-        env="DYNAMIC_SINGLE_USER_TPS_CAPACITY_SMOOTHING",
-        rules=(Within(0, 1, high_open=True),),
-        when=_USER_TPS,
+    capacity_learn_enabled: bool = setting(True, env=_TPS + "CAPACITY_LEARN_ENABLED")
+    capacity_step_up: float = _user_tps(
+        0.02, _TPS + "CAPACITY_RATIO_STEP_UP", Within(0, 1, low_open=True)
     )
-    capacity_learn_enabled: bool = setting(
-        True, env="DYNAMIC_SINGLE_USER_TPS_CAPACITY_LEARN_ENABLED"
+    capacity_healthy_consecutive: int = _user_tps(
+        10, _TPS + "CAPACITY_HEALTHY_CONSECUTIVE", Greater(0)
     )
-    capacity_step_up: float = setting(
-        0.02,
-        env="DYNAMIC_SINGLE_USER_TPS_CAPACITY_RATIO_STEP_UP",
-        rules=(Within(0, 1, low_open=True),),
-        when=_USER_TPS,
-    )
-    capacity_healthy_consecutive: int = setting(
-        10,
-        env="DYNAMIC_SINGLE_USER_TPS_CAPACITY_HEALTHY_CONSECUTIVE",
-        rules=(Greater(0),),
-        when=_USER_TPS,
-    )
-    capacity_healthy_multiplier: float = setting(
-        1.5,
-        env="DYNAMIC_SINGLE_USER_TPS_CAPACITY_HEALTHY_MULTIPLIER",
-        rules=(AtLeast(1),),
-        when=_USER_TPS,
+    capacity_healthy_multiplier: float = _user_tps(
+        1.5, _TPS + "CAPACITY_HEALTHY_MULTIPLIER", AtLeast(1)
     )
     # DYNAMIC_TTFT_* (the adapter reads a threshold that is not positive as its default)
     ttft_enabled: bool = setting(True, env="DYNAMIC_TTFT_ENABLED")
-    ttft_target_s: float = setting(
-        1.0,
-        env="DYNAMIC_TTFT_TARGET_SECONDS",
-        rules=(Greater(0), NotAbove("ttft_red_s")),
-        when=_TTFT,
+    ttft_target_s: float = _ttft(
+        1.0, "DYNAMIC_TTFT_TARGET_SECONDS", Greater(0), NotAbove("ttft_red_s")
     )
     ttft_red_s: float = setting(3.0, env="DYNAMIC_TTFT_RED_SECONDS")
-    ttft_p99_target_s: float = setting(
-        3.0, env="DYNAMIC_TTFT_P99_TARGET_SECONDS", rules=(NotAbove("ttft_p99_red_s"),), when=_TTFT
+    ttft_p99_target_s: float = _ttft(
+        3.0, "DYNAMIC_TTFT_P99_TARGET_SECONDS", NotAbove("ttft_p99_red_s")
     )
     ttft_p99_red_s: float = setting(8.0, env="DYNAMIC_TTFT_P99_RED_SECONDS")
 

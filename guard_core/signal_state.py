@@ -23,6 +23,8 @@ well, just as the gate's short-wait rule already treats ``DYNAMIC_WAITING_RED=0`
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from guard_core._errors import InvalidObservation, PolicyConfigError
@@ -42,6 +44,16 @@ _PREEMPTION_DELTA_RED = 1
 _NON_NEGATIVE = (AtLeast(0),)
 
 
+def _yellow(default: float, env: str, red: str) -> Any:
+    """A yellow threshold: >= 0 and not above its red partner ``red``."""
+    return setting(default, env=env, rules=(AtLeast(0), NotAbove(red)))
+
+
+def _following(default: float, env: str, follows: str) -> Any:
+    """A value >= 0 that PIG defaults to ``follows`` (whose own check reports it while equal)."""
+    return setting(default, env=env, rules=_NON_NEGATIVE, unless_same_as=follows)
+
+
 @attrs.frozen(kw_only=True)
 class SignalThresholds:
     """The raw-signal thresholds and the per-state caps, with PIG's defaults.
@@ -54,48 +66,18 @@ class SignalThresholds:
     #: ``GLOBAL_LIMIT``; every state cap is read as at most this.
     global_limit: int = setting(_GLOBAL_LIMIT, env="GLOBAL_LIMIT", rules=_NON_NEGATIVE)
     #: ``DYNAMIC_GLOBAL_GREEN_LIMIT`` / ``_YELLOW_LIMIT`` / ``_RED_LIMIT``.
-    green_limit: int = setting(
-        _GLOBAL_LIMIT,
-        env="DYNAMIC_GLOBAL_GREEN_LIMIT",
-        rules=_NON_NEGATIVE,
-        unless_same_as="global_limit",
-    )
-    yellow_limit: int = setting(
-        _GLOBAL_LIMIT,
-        env="DYNAMIC_GLOBAL_YELLOW_LIMIT",
-        rules=_NON_NEGATIVE,
-        unless_same_as="green_limit",
-    )
-    red_limit: int = setting(
-        _GLOBAL_LIMIT,
-        env="DYNAMIC_GLOBAL_RED_LIMIT",
-        rules=_NON_NEGATIVE,
-        unless_same_as="yellow_limit",
-    )
+    green_limit: int = _following(_GLOBAL_LIMIT, "DYNAMIC_GLOBAL_GREEN_LIMIT", "global_limit")
+    yellow_limit: int = _following(_GLOBAL_LIMIT, "DYNAMIC_GLOBAL_YELLOW_LIMIT", "green_limit")
+    red_limit: int = _following(_GLOBAL_LIMIT, "DYNAMIC_GLOBAL_RED_LIMIT", "yellow_limit")
     #: ``DYNAMIC_KV_YELLOW`` / ``DYNAMIC_KV_RED`` (a fraction of the KV cache; 0 is off).
-    kv_yellow: float = setting(
-        _KV_YELLOW, env="DYNAMIC_KV_YELLOW", rules=(AtLeast(0), NotAbove("kv_red"))
-    )
-    kv_red: float = setting(
-        _KV_RED, env="DYNAMIC_KV_RED", rules=_NON_NEGATIVE, unless_same_as="kv_yellow"
-    )
+    kv_yellow: float = _yellow(_KV_YELLOW, "DYNAMIC_KV_YELLOW", "kv_red")
+    kv_red: float = _following(_KV_RED, "DYNAMIC_KV_RED", "kv_yellow")
     #: ``DYNAMIC_RUNNING_YELLOW`` / ``_RED`` (0 is off, the default).
-    running_yellow: int = setting(
-        0, env="DYNAMIC_RUNNING_YELLOW", rules=(AtLeast(0), NotAbove("running_red"))
-    )
-    running_red: int = setting(
-        0, env="DYNAMIC_RUNNING_RED", rules=_NON_NEGATIVE, unless_same_as="running_yellow"
-    )
+    running_yellow: int = _yellow(0, "DYNAMIC_RUNNING_YELLOW", "running_red")
+    running_red: int = _following(0, "DYNAMIC_RUNNING_RED", "running_yellow")
     #: ``DYNAMIC_WAITING_YELLOW`` / ``_RED`` (0 is off; see the module notes).
-    waiting_yellow: int = setting(
-        _WAITING_YELLOW, env="DYNAMIC_WAITING_YELLOW", rules=(AtLeast(0), NotAbove("waiting_red"))
-    )
-    waiting_red: int = setting(
-        _WAITING_RED,
-        env="DYNAMIC_WAITING_RED",
-        rules=_NON_NEGATIVE,
-        unless_same_as="waiting_yellow",
-    )
+    waiting_yellow: int = _yellow(_WAITING_YELLOW, "DYNAMIC_WAITING_YELLOW", "waiting_red")
+    waiting_red: int = _following(_WAITING_RED, "DYNAMIC_WAITING_RED", "waiting_yellow")
     #: ``DYNAMIC_PREEMPTION_DELTA_RED``: a per-poll preemption increase this large is red.
     preemption_delta_red: int = setting(
         _PREEMPTION_DELTA_RED, env="DYNAMIC_PREEMPTION_DELTA_RED", rules=_NON_NEGATIVE

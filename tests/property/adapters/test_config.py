@@ -1041,17 +1041,14 @@ def test_min_samples_may_be_zero_or_equal_the_window() -> None:
 
 def test_section_2_5_defaults() -> None:
     settings = load_config({})
-    assert settings.injection_policy().enabled is True
-    assert settings.injection_policy().mode == "all"
-    assert settings.injection_policy().strategy == "field_scan"
-    assert settings.injection_policy().field == "priority"
-    assert settings.injection_policy().premium_value == -100
-    assert settings.injection_policy().basic_value == 0
-    assert settings.injection_policy().body_bytes == 33_554_432
-    assert settings.injection_policy().buffer_bytes == 0
-    assert settings.injection_policy().stream_buffer_bytes == 2_097_152
-    assert settings.injection_policy().rewrite_limit == 64
-    assert settings.injection_policy().fail_open is True
+    policy = settings.injection_policy()
+    assert policy.enabled is True
+    assert policy.fail_open is True
+    assert (policy.mode, policy.strategy, policy.field) == ("all", "field_scan", "priority")
+    assert (policy.premium_value, policy.basic_value) == (-100, 0)
+    sizes = (policy.body_bytes, policy.buffer_bytes, policy.stream_buffer_bytes)
+    assert sizes == (33_554_432, 0, 2_097_152)
+    assert policy.rewrite_limit == 64
     env = settings.env
     assert env.backend_priority_injection_enabled is True
     assert env.backend_priority_mode == "all"
@@ -1073,16 +1070,17 @@ def test_priority_values_are_read() -> None:
             "BACKEND_PRIORITY_FAIL_OPEN": "no",
         }
     )
-    assert settings.injection_policy().mode == "premium_only"
-    assert settings.injection_policy().strategy == "append_last"
-    assert settings.injection_policy().field == "_prio9"
-    assert settings.injection_policy().premium_value == -(2**63)
-    assert settings.injection_policy().basic_value == 7
-    assert settings.injection_policy().body_bytes == 1
-    assert settings.injection_policy().buffer_bytes == 4096
-    assert settings.injection_policy().stream_buffer_bytes == 1
-    assert settings.injection_policy().rewrite_limit == 1
-    assert settings.injection_policy().fail_open is False
+    policy = settings.injection_policy()
+    assert policy.mode == "premium_only"
+    assert policy.strategy == "append_last"
+    assert policy.field == "_prio9"
+    assert policy.premium_value == -(2**63)
+    assert policy.basic_value == 7
+    assert policy.body_bytes == 1
+    assert policy.buffer_bytes == 4096
+    assert policy.stream_buffer_bytes == 1
+    assert policy.rewrite_limit == 1
+    assert policy.fail_open is False
     assert load_config({"BACKEND_PRIORITY_MODE": "  "}).injection_policy().mode == "all"
 
 
