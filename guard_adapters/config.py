@@ -65,7 +65,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -188,7 +188,7 @@ def _config_defaults(_cls: type, fields: list[attrs.Attribute[Any]]) -> list[att
 def _positive_or_default(name: str) -> Any:
     """The config's default, where PIG reads a value that is not positive as that default
     (the TTFT thresholds)."""
-    default: float = CONFIG_FIELDS[name].default
+    default = cast("float", CONFIG_FIELDS[name].default)
 
     def convert(value: float) -> float:
         return value if value > 0 else default
