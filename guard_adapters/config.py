@@ -45,17 +45,26 @@ Guarantees:
   off, and auth on needs a ``TOKEN``.
 - Backends are resolved by spec 2.1 rules 1-5; every upstream is an http(s) URL with a host and
   no query or fragment, and so is every metrics URL whenever dynamic mode is on.
+- One source of truth: a variable read by a core config (``PolicyConfig``, ``SignalThresholds``,
+  ``GateConfig``, ``AdaptiveOutputConfig``, ``PredictiveConfig``) or by the body rewrite
+  (``InjectionPolicy``) takes its default from that config's field (:data:`FROM_CONFIG`), and
+  the core's ranges are checked by running the rules those fields carry
+  (:mod:`guard_core.settings`) on the values they will be built from, in the same pass as the
+  adapter's own rules, so every problem is still reported at once with the variable's name.
 - :meth:`Settings.guard_config` and the other helpers (:attr:`Settings.auth_paths`,
   :attr:`Settings.lane_thresholds`, :attr:`Settings.adaptive_output`) never raise for a loaded
-  :class:`Settings`: every range the core checks is checked here first, with the variable's
-  name in the message.
+  :class:`Settings`: they build the configs whose rules were checked.
+  :meth:`Settings.injection_policy` raises :class:`ConfigError` only where ``InjectionPolicy``
+  is stricter than PIG while injection is off (see there).
 - :meth:`Settings.redacted` and :meth:`Settings.describe` never contain a secret: ``TOKEN``,
   ``ATTESTATION_NVIDIA_PAYLOAD_AUTHORIZATION`` and ``ATTESTATION_NVIDIA_PAYLOAD`` (an inline
   payload may carry evidence) are replaced, and passwords inside URLs are masked.
 
 Adding a variable: add one field to :class:`Environment` (named after the variable in lower
-case, with PIG's default) and, when it has a range, one line in :func:`_problems` or the
-section helper it calls.
+case). When a core config reads it, declare it there with :func:`guard_core.settings.setting`
+(default, ``env=`` name, rules) and give the :class:`Environment` field the default
+:data:`FROM_CONFIG`; otherwise write PIG's default on the :class:`Environment` field and, when
+it has a range, one line in :func:`_problems` or the section helper it calls.
 """
 
 from __future__ import annotations
@@ -252,7 +261,8 @@ class Environment:
     """The effective value of every variable read, after parsing and defaulting.
 
     Each field is named after its variable in lower case and holds PIG's default when the
-    variable is unset or empty. Building one validates nothing beyond the types; ranges and
+    variable is unset or empty; a field declared with :data:`FROM_CONFIG` holds the default of
+    the config field read from its variable. Building one validates nothing beyond the types; ranges and
     cross-variable rules are checked by :meth:`Settings.from_environment`. Field order matters:
     a default that follows another variable comes after it.
     """
@@ -573,21 +583,18 @@ class Settings:
     def guard_config(self) -> GuardConfig:
         """The pure core's settings, each field read from the variable it names."""
         env = self.env
+        values = _values(SignalThresholds, env)
         signals = SignalThresholds.from_global_limit(
-            env.global_limit,
-            green=env.dynamic_global_green_limit,
-            yellow=env.dynamic_global_yellow_limit,
-            red=env.dynamic_global_red_limit,
-            **{
-                name: value
-                for name, value in _values(SignalThresholds, env).items()
-                if not name.endswith("_limit")
-            },
+            values.pop("global_limit"),
+            green=values.pop("green_limit"),
+            yellow=values.pop("yellow_limit"),
+            red=values.pop("red_limit"),
+            **values,
         )
         gate = GateConfig(
-            global_limit=env.global_limit,
+            **_values(GateConfig, env),
+            global_limit=signals.global_limit,
             dynamic=self.dynamic_enforced,
-            queue_wait_s=env.pig_queue_wait_seconds,
             queue_poll_ms=env.pig_queue_poll_ms if env.pig_queue_poll_ms > 0 else _FALLBACK_POLL_MS,
             kv_red=signals.kv_red,
             waiting_red=signals.waiting_red,
