@@ -262,9 +262,9 @@ class Environment:
 
     Each field is named after its variable in lower case and holds PIG's default when the
     variable is unset or empty; a field declared with :data:`FROM_CONFIG` holds the default of
-    the config field read from its variable. Building one validates nothing beyond the types; ranges and
-    cross-variable rules are checked by :meth:`Settings.from_environment`. Field order matters:
-    a default that follows another variable comes after it.
+    the config field read from its variable. Building one validates nothing beyond the types;
+    ranges and cross-variable rules are checked by :meth:`Settings.from_environment`. Field
+    order matters: a default that follows another variable comes after it.
     """
 
     # -- spec 2.1: core and routing
