@@ -966,9 +966,7 @@ class _Checks:
         self.found: list[Problem] = []
 
     def add(self, variables: Iterable[str], text: str) -> None:
-        problem = Problem(tuple(variables), text)
-        if problem not in self.found:
-            self.found.append(problem)
+        self.found.append(Problem(tuple(variables), text))
 
     def _value(self, field: attrs.Attribute[Any]) -> Any:
         return getattr(self.env, field.name)
@@ -1109,13 +1107,16 @@ def _core_problems(c: _Checks) -> None:
     learner's while it is chosen, the others always (each stage's own rules apply while its
     flag is on). A rule shared by two configs is reported once."""
     env = c.env
+    found: list[Problem] = []
     for cls in _CORE_CONFIGS:
         if cls is AdaptiveOutputConfig and not env.adaptive_output_classification:
             continue
         if cls is PredictiveConfig and env.dynamic_policy != POLICIES[1]:
             continue
         for problem in problems(cls, _values(cls, env)):
-            c.add(problem.variables, problem.text)
+            if problem not in found:
+                found.append(problem)
+    c.found.extend(found)
 
 
 def _feature_problems(c: _Checks) -> None:
