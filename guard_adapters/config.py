@@ -82,7 +82,14 @@ import cattrs
 from cattrs.gen import make_dict_structure_fn, override
 
 from guard_adapters._errors import ConfigError
-from guard_adapters.openai_body import InjectionPolicy
+from guard_adapters._rules import Identifier, OneOf
+from guard_adapters._rules import shown as _shown
+from guard_adapters.openai_body import (
+    DEFAULT_OUTPUT_TOKEN_FIELDS,
+    PRIORITY_MODES,
+    REWRITE_STRATEGIES,
+    InjectionPolicy,
+)
 from guard_core.decision import LoadState
 from guard_core.gate import GateConfig
 from guard_core.guard import GuardConfig
@@ -135,10 +142,6 @@ _DSTACK_SOCKET: Final = "/var/run/dstack.sock"
 _GPU_ARCH: Final = "HOPPER"
 #: PIG's cap on the classifier and rewrite slot counts.
 _SLOT_CAP: Final = 64
-#: ``BACKEND_PRIORITY_MODE`` values, the default first.
-PRIORITY_MODES: Final = ("all", "premium_only")
-#: ``BACKEND_PRIORITY_REWRITE_STRATEGY`` values, the default first.
-REWRITE_STRATEGIES: Final = ("field_scan", "append_last")
 #: ``DYNAMIC_POLICY`` values, the default first: PIG's learner or the predictive one.
 POLICIES: Final = ("pig", "predictive")
 #: ``PIG_RETRY_AFTER_MODE`` values: ``PIG_RETRY_AFTER_SECONDS`` always, or the learner's
@@ -326,11 +329,7 @@ class Environment:
     classify_output_tokens: bool = False
     json_classify_body_bytes: int = 2_097_152
     json_classify_limit: int = attrs.field(default=attrs.Factory(_slot_default, takes_self=True))
-    output_token_field_names: tuple[str, ...] = (
-        "max_tokens",
-        "max_completion_tokens",
-        "max_output_tokens",
-    )
+    output_token_field_names: tuple[str, ...] = DEFAULT_OUTPUT_TOKEN_FIELDS
     medium_body_bytes: int = 60_000
     long_body_bytes: int = 100_000
     very_long_body_bytes: int = 524_288
@@ -704,13 +703,7 @@ _NON_FINITE = re.compile(r"[+-]?(?:inf|infinity|nan)", re.IGNORECASE)
 _INT64 = 2**63
 _TRUE = frozenset({"1", "true", "yes", "y", "on"})
 _FALSE = frozenset({"0", "false", "no", "n", "off"})
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _STATES = {state.value: state for state in (LoadState.GREEN, LoadState.YELLOW, LoadState.RED)}
-
-
-def _shown(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _text(value: object) -> str:
@@ -987,22 +980,13 @@ class _Checks:
     def above(self, field: attrs.Attribute[Any], bound: float) -> None:
         self.rule(field, Greater(bound))
 
-    def one_of(self, field: attrs.Attribute[Any], choices: Sequence[str]) -> None:
-        value = self._value(field)
-        if value not in choices:
-            self.add([_variable(field)], f"must be {' or '.join(choices)}, got {_shown(value)}")
-
     def identifiers(self, field: attrs.Attribute[Any]) -> None:
-        """Each name (a string or a list of them) is an ASCII identifier; none is repeated."""
-        value = self._value(field)
-        names = (value,) if isinstance(value, str) else value
+        """Each name of a list is an ASCII identifier; none is repeated."""
         seen: set[str] = set()
-        for name in names:
-            if not _IDENTIFIER.fullmatch(name):
-                self.add(
-                    [_variable(field)],
-                    f"{_shown(name)} must be a letter or '_' followed by letters, digits or '_'",
-                )
+        for name in self._value(field):
+            text = Identifier().broken(name, None, "")
+            if text is not None:
+                self.add([_variable(field)], text)
             if name in seen:
                 self.add([_variable(field)], f"{_shown(name)} is listed twice")
             seen.add(name)
@@ -1102,13 +1086,14 @@ def _problems(env: Environment) -> list[Problem]:
 
 
 def _core_problems(c: _Checks) -> None:
-    """The ranges the core configs carry, checked on the values they would be built from: the
-    adaptive thresholds' while ``ADAPTIVE_OUTPUT_CLASSIFICATION`` is on, the predictive
-    learner's while it is chosen, the others always (each stage's own rules apply while its
-    flag is on). A rule shared by two configs is reported once."""
+    """The rules the core configs and the body rewrite carry, checked on the values they would
+    be built from: the adaptive thresholds' while ``ADAPTIVE_OUTPUT_CLASSIFICATION`` is on, the
+    predictive learner's while it is chosen, the others always (each stage's own rules apply
+    while its flag is on, the priority rules while injecting). A rule shared by two configs is
+    reported once."""
     env = c.env
     found: list[Problem] = []
-    for cls in _CORE_CONFIGS:
+    for cls in (*_CORE_CONFIGS, InjectionPolicy):
         if cls is AdaptiveOutputConfig and not env.adaptive_output_classification:
             continue
         if cls is PredictiveConfig and env.dynamic_policy != POLICIES[1]:
@@ -1127,8 +1112,6 @@ def _feature_problems(c: _Checks) -> None:
         c.add(["API_AUTH_ENABLED", "TOKEN"], "is on but TOKEN is empty")
     if env.api_auth_paths != env.pig_paths:
         _path_problems(c, f.api_auth_paths, required=env.api_auth_enabled)
-    if env.openai_compat_strip_empty_tool_calls:
-        c.above(f.openai_compat_body_bytes, 0)
     # spec 2.3
     if env.attestation_enabled:
         c.above(f.attestation_nvidia_command_timeout_seconds, 0)
@@ -1139,22 +1122,13 @@ def _feature_problems(c: _Checks) -> None:
         c.above(f.json_classify_body_bytes, 0)
         c.above(f.json_classify_limit, 0)
         c.increasing((f.medium_output_tokens, f.long_output_tokens, f.very_long_output_tokens))
-    # spec 2.5
-    if env.backend_priority_injection_enabled:
-        c.one_of(f.backend_priority_mode, PRIORITY_MODES)
-        c.one_of(f.backend_priority_rewrite_strategy, REWRITE_STRATEGIES)
-        c.identifiers(f.backend_priority_field)
-        c.above(f.backend_priority_body_bytes, 0)
-        c.at_least(f.backend_priority_buffer_bytes, 0)
-        c.above(f.backend_priority_stream_buffer_bytes, 0)
-        c.above(f.backend_priority_rewrite_limit, 0)
 
 
 def _predictive_problems(c: _Checks) -> None:
     """The learner choice and, while the predictive learner is chosen, its settings."""
     env, f = c.env, _F
-    c.one_of(f.dynamic_policy, POLICIES)
-    c.one_of(f.pig_retry_after_mode, RETRY_AFTER_MODES)
+    c.rule(f.dynamic_policy, OneOf(POLICIES))
+    c.rule(f.pig_retry_after_mode, OneOf(RETRY_AFTER_MODES))
     if env.dynamic_policy != POLICIES[1]:
         return
     if not env.dynamic_pig_enabled:

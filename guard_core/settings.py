@@ -16,7 +16,7 @@ Guarantees:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -118,7 +118,14 @@ class Below:
         return f"must be below {partner_name} ({_number(partner)}), got {_number(value)}"
 
 
-Rule = AtLeast | Greater | Within | NotAbove | Below
+class Rule(Protocol):
+    """What a rule offers: the field it compares with, if any, and the message for a value
+    that breaks it (None when the value keeps it). Adapters may add rules of this shape."""
+
+    @property
+    def partner(self) -> str | None: ...
+
+    def broken(self, value: Any, partner: Any, partner_name: str) -> str | None: ...
 
 
 @attrs.frozen
