@@ -48,9 +48,9 @@ Guarantees:
 - One source of truth: a variable read by a core config (``PolicyConfig``, ``SignalThresholds``,
   ``GateConfig``, ``AdaptiveOutputConfig``, ``PredictiveConfig``) or by the body rewrite
   (``InjectionPolicy``) takes its default from that config's field (:data:`FROM_CONFIG`), and
-  the core's ranges are checked by running the rules those fields carry
-  (:mod:`guard_core.settings`) on the values they will be built from, in the same pass as the
-  adapter's own rules, so every problem is still reported at once with the variable's name.
+  its ranges are checked by running the rules those fields carry (:mod:`guard_core.settings`)
+  on the values the configs will be built from, in the same pass as the adapter's own rules,
+  so every problem is still reported at once with the variable's name.
 - :meth:`Settings.guard_config` and the other helpers (:attr:`Settings.auth_paths`,
   :attr:`Settings.lane_thresholds`, :attr:`Settings.adaptive_output`) never raise for a loaded
   :class:`Settings`: they build the configs whose rules were checked.
