@@ -2,7 +2,8 @@
 
 The variables, their order, their sections and their defaults come from
 ``guard_adapters.config.Environment`` (whose defaults for the variables the core configs read
-are those configs' own fields); the effective default is what an empty environment gives. ``tests/property/adapters/test_config_docs.py`` fails when the file is stale.
+are those configs' own fields); the effective default is what an empty environment gives.
+``tests/property/adapters/test_config_docs.py`` fails when the file is stale.
 """
 
 from __future__ import annotations
