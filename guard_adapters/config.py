@@ -45,17 +45,26 @@ Guarantees:
   off, and auth on needs a ``TOKEN``.
 - Backends are resolved by spec 2.1 rules 1-5; every upstream is an http(s) URL with a host and
   no query or fragment, and so is every metrics URL whenever dynamic mode is on.
+- One source of truth: a variable read by a core config (``PolicyConfig``, ``SignalThresholds``,
+  ``GateConfig``, ``AdaptiveOutputConfig``, ``PredictiveConfig``) or by the body rewrite
+  (``InjectionPolicy``) takes its default from that config's field (:data:`FROM_CONFIG`), and
+  its ranges are checked by running the rules those fields carry (:mod:`guard_core.settings`)
+  on the values the configs will be built from, in the same pass as the adapter's own rules,
+  so every problem is still reported at once with the variable's name.
 - :meth:`Settings.guard_config` and the other helpers (:attr:`Settings.auth_paths`,
   :attr:`Settings.lane_thresholds`, :attr:`Settings.adaptive_output`) never raise for a loaded
-  :class:`Settings`: every range the core checks is checked here first, with the variable's
-  name in the message.
+  :class:`Settings`: they build the configs whose rules were checked.
+  :meth:`Settings.injection_policy` raises :class:`ConfigError` only where ``InjectionPolicy``
+  is stricter than PIG while injection is off (see there).
 - :meth:`Settings.redacted` and :meth:`Settings.describe` never contain a secret: ``TOKEN``,
   ``ATTESTATION_NVIDIA_PAYLOAD_AUTHORIZATION`` and ``ATTESTATION_NVIDIA_PAYLOAD`` (an inline
   payload may carry evidence) are replaced, and passwords inside URLs are masked.
 
 Adding a variable: add one field to :class:`Environment` (named after the variable in lower
-case, with PIG's default) and, when it has a range, one line in :func:`_problems` or the
-section helper it calls.
+case). When a core config reads it, declare it there with :func:`guard_core.settings.setting`
+(default, ``env=`` name, rules) and give the :class:`Environment` field the default
+:data:`FROM_CONFIG`; otherwise write PIG's default on the :class:`Environment` field and, when
+it has a range, one line in :func:`_problems` or the section helper it calls.
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -73,6 +82,14 @@ import cattrs
 from cattrs.gen import make_dict_structure_fn, override
 
 from guard_adapters._errors import ConfigError
+from guard_adapters._rules import Identifier, OneOf
+from guard_adapters._rules import shown as _shown
+from guard_adapters.openai_body import (
+    DEFAULT_OUTPUT_TOKEN_FIELDS,
+    PRIORITY_MODES,
+    REWRITE_STRATEGIES,
+    InjectionPolicy,
+)
 from guard_core.decision import LoadState
 from guard_core.gate import GateConfig
 from guard_core.guard import GuardConfig
@@ -80,6 +97,16 @@ from guard_core.lanes import AdaptiveOutputConfig, Thresholds
 from guard_core.policy import PolicyConfig
 from guard_core.predictive import PredictiveConfig
 from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
+from guard_core.settings import (
+    ENV,
+    AtLeast,
+    Below,
+    Greater,
+    Problem,
+    Rule,
+    default_of,
+    problems,
+)
 from guard_core.signal_state import SignalThresholds
 
 __all__ = (
@@ -107,10 +134,6 @@ _SECRET: Final = "secret"
 _WORD: Final = "word"
 
 _DEFAULT_UPSTREAM: Final = "http://backend:8000"
-_TTFT_TARGET_S: Final = 1.0
-_TTFT_RED_S: Final = 3.0
-_TTFT_P99_TARGET_S: Final = 3.0
-_TTFT_P99_RED_S: Final = 8.0
 #: ``PIG_QUEUE_POLL_MS`` handed to the gate when the configured one is not positive (which is
 #: only allowed while the wait is 0): ten times it is PIG's 250 ms fallback re-check.
 _FALLBACK_POLL_MS: Final = 25
@@ -119,10 +142,6 @@ _DSTACK_SOCKET: Final = "/var/run/dstack.sock"
 _GPU_ARCH: Final = "HOPPER"
 #: PIG's cap on the classifier and rewrite slot counts.
 _SLOT_CAP: Final = 64
-#: ``BACKEND_PRIORITY_MODE`` values, the default first.
-PRIORITY_MODES: Final = ("all", "premium_only")
-#: ``BACKEND_PRIORITY_REWRITE_STRATEGY`` values, the default first.
-REWRITE_STRATEGIES: Final = ("field_scan", "append_last")
 #: ``DYNAMIC_POLICY`` values, the default first: PIG's learner or the predictive one.
 POLICIES: Final = ("pig", "predictive")
 #: ``PIG_RETRY_AFTER_MODE`` values: ``PIG_RETRY_AFTER_SECONDS`` always, or the learner's
@@ -130,21 +149,72 @@ POLICIES: Final = ("pig", "predictive")
 RETRY_AFTER_MODES: Final = ("fixed", "predicted")
 
 
-# PIG reads a TTFT threshold that is not positive as its default.
-def _ttft_target(value: float) -> float:
-    return value if value > 0 else _TTFT_TARGET_S
+#: The core configs whose fields name the variables they are read from, in the order their
+#: rules are checked. Each carries its defaults and ranges; nothing here restates them.
+_CORE_CONFIGS: Final = (
+    SignalThresholds,
+    PolicyConfig,
+    GateConfig,
+    AdaptiveOutputConfig,
+    PredictiveConfig,
+)
 
 
-def _ttft_red(value: float) -> float:
-    return value if value > 0 else _TTFT_RED_S
+def _config_fields() -> dict[str, attrs.Attribute[Any]]:
+    """Variable -> the first config field read from it (configs that share one agree on its
+    default; a test checks that)."""
+    found: dict[str, attrs.Attribute[Any]] = {}
+    for cls in (*_CORE_CONFIGS, InjectionPolicy):
+        for field in attrs.fields(cls):
+            name = field.metadata.get(ENV)
+            if isinstance(name, str):
+                found.setdefault(name, field)
+    return found
 
 
-def _ttft_p99_target(value: float) -> float:
-    return value if value > 0 else _TTFT_P99_TARGET_S
+#: Every variable a core config or the body rewrite reads, with the field that holds its
+#: default (and, for the core, its range rules).
+CONFIG_FIELDS: Final = _config_fields()
 
 
-def _ttft_p99_red(value: float) -> float:
-    return value if value > 0 else _TTFT_P99_RED_S
+class _FromConfig:
+    def __repr__(self) -> str:
+        return "FROM_CONFIG"
+
+
+#: An :class:`Environment` default that stands for the default of the config field read from
+#: the same variable (:data:`CONFIG_FIELDS`), so that it is written once, on that field.
+FROM_CONFIG: Final[Any] = _FromConfig()
+
+
+def _config_defaults(_cls: type, fields: list[attrs.Attribute[Any]]) -> list[attrs.Attribute[Any]]:
+    """attrs field transformer of :class:`Environment`: resolves :data:`FROM_CONFIG`."""
+    return [
+        field.evolve(default=CONFIG_FIELDS[field.name.upper()].default)
+        if field.default is FROM_CONFIG
+        else field
+        for field in fields
+    ]
+
+
+def _positive_or_default(name: str) -> Any:
+    """The config's default, where PIG reads a value that is not positive as that default
+    (the TTFT thresholds)."""
+    default = cast("float", CONFIG_FIELDS[name].default)
+
+    def convert(value: float) -> float:
+        return value if value > 0 else default
+
+    return attrs.field(default=default, converter=convert)
+
+
+def _values(cls: type, env: Environment) -> dict[str, Any]:
+    """Field name -> value of every field of the config ``cls`` that names a variable."""
+    return {
+        field.name: getattr(env, field.metadata[ENV].lower())
+        for field in attrs.fields(cls)
+        if isinstance(field.metadata.get(ENV), str)
+    }
 
 
 def _dynamic_default(env: Environment) -> bool:
@@ -189,14 +259,15 @@ def _follows(name: str) -> Any:
     return attrs.Factory(lambda env: getattr(env, name), takes_self=True)
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, field_transformer=_config_defaults)
 class Environment:
     """The effective value of every variable read, after parsing and defaulting.
 
     Each field is named after its variable in lower case and holds PIG's default when the
-    variable is unset or empty. Building one validates nothing beyond the types; ranges and
-    cross-variable rules are checked by :meth:`Settings.from_environment`. Field order matters:
-    a default that follows another variable comes after it.
+    variable is unset or empty; a field declared with :data:`FROM_CONFIG` holds the default of
+    the config field read from its variable. Building one validates nothing beyond the types;
+    ranges and cross-variable rules are checked by :meth:`Settings.from_environment`. Field
+    order matters: a default that follows another variable comes after it.
     """
 
     # -- spec 2.1: core and routing
@@ -205,13 +276,13 @@ class Environment:
     upstreams: tuple[str, ...] = ()
     backends: tuple[str, ...] = ()
     token: str = attrs.field(default="", repr=False, metadata={_SECRET: True})
-    global_limit: int = 512
+    global_limit: int = FROM_CONFIG
     pig_paths: tuple[str, ...] = DEFAULT_QOS_PATHS
     pig_path_suffix_match: bool = False
     proxy_timeout_seconds: int = 1800
     pig_status_log_interval_seconds: int = 5
-    pig_queue_wait_seconds: float = 0.5
-    pig_queue_poll_ms: int = 100
+    pig_queue_wait_seconds: float = FROM_CONFIG
+    pig_queue_poll_ms: int = default_of(GateConfig, "queue_poll_ms")
     # -- inference-guard's own (PRODUCT.md)
     pig_retry_after_seconds: int = 1
     pig_drain_seconds: float = 30.0
@@ -231,9 +302,9 @@ class Environment:
     )
     api_auth_paths: tuple[str, ...] = _follows("pig_paths")
     upstream_error_classification_enabled: bool = True
-    openai_compat_strip_empty_tool_calls: bool = True
-    openai_compat_body_bytes: int = 33_554_432
-    openai_compat_fail_open: bool = True
+    openai_compat_strip_empty_tool_calls: bool = FROM_CONFIG
+    openai_compat_body_bytes: int = FROM_CONFIG
+    openai_compat_fail_open: bool = FROM_CONFIG
     # -- spec 2.3: attestation
     attestation_enabled: bool = True
     dstack_simulator_endpoint: str = ""
@@ -258,11 +329,7 @@ class Environment:
     classify_output_tokens: bool = False
     json_classify_body_bytes: int = 2_097_152
     json_classify_limit: int = attrs.field(default=attrs.Factory(_slot_default, takes_self=True))
-    output_token_field_names: tuple[str, ...] = (
-        "max_tokens",
-        "max_completion_tokens",
-        "max_output_tokens",
-    )
+    output_token_field_names: tuple[str, ...] = DEFAULT_OUTPUT_TOKEN_FIELDS
     medium_body_bytes: int = 60_000
     long_body_bytes: int = 100_000
     very_long_body_bytes: int = 524_288
@@ -270,30 +337,30 @@ class Environment:
     long_output_tokens: int = 4096
     very_long_output_tokens: int = 8192
     adaptive_output_classification: bool = False
-    adaptive_output_window: int = 512
-    adaptive_output_min_samples: int = 32
-    adaptive_output_medium_quantile: float = 0.50
-    adaptive_output_long_quantile: float = 0.90
-    adaptive_output_very_quantile: float = 0.99
-    adaptive_output_green_relax: float = 1.0
-    adaptive_output_yellow_relax: float = 0.5
-    adaptive_output_red_relax: float = 0.0
+    adaptive_output_window: int = FROM_CONFIG
+    adaptive_output_min_samples: int = FROM_CONFIG
+    adaptive_output_medium_quantile: float = FROM_CONFIG
+    adaptive_output_long_quantile: float = FROM_CONFIG
+    adaptive_output_very_quantile: float = FROM_CONFIG
+    adaptive_output_green_relax: float = FROM_CONFIG
+    adaptive_output_yellow_relax: float = FROM_CONFIG
+    adaptive_output_red_relax: float = FROM_CONFIG
     # -- spec 2.5: backend priority injection
-    backend_priority_injection_enabled: bool = True
+    backend_priority_injection_enabled: bool = FROM_CONFIG
     backend_priority_mode: str = attrs.field(default=PRIORITY_MODES[0], converter=_priority_mode)
     backend_priority_rewrite_strategy: str = attrs.field(
         default=REWRITE_STRATEGIES[0], converter=_rewrite_strategy
     )
-    backend_priority_field: str = "priority"
-    backend_priority_premium_value: int = -100
-    backend_priority_basic_value: int = 0
-    backend_priority_body_bytes: int = 33_554_432
-    backend_priority_buffer_bytes: int = 0
-    backend_priority_stream_buffer_bytes: int = 2_097_152
+    backend_priority_field: str = FROM_CONFIG
+    backend_priority_premium_value: int = FROM_CONFIG
+    backend_priority_basic_value: int = FROM_CONFIG
+    backend_priority_body_bytes: int = FROM_CONFIG
+    backend_priority_buffer_bytes: int = FROM_CONFIG
+    backend_priority_stream_buffer_bytes: int = FROM_CONFIG
     backend_priority_rewrite_limit: int = attrs.field(
         default=attrs.Factory(_slot_default, takes_self=True)
     )
-    backend_priority_fail_open: bool = True
+    backend_priority_fail_open: bool = FROM_CONFIG
     # -- spec 2.6: dynamic QoS
     dynamic_metrics_url: str = ""
     dynamic_metrics_urls: tuple[str, ...] = ()
@@ -306,51 +373,47 @@ class Environment:
     dynamic_global_green_limit: int = _follows("global_limit")
     dynamic_global_yellow_limit: int = _follows("dynamic_global_green_limit")
     dynamic_global_red_limit: int = _follows("dynamic_global_yellow_limit")
-    dynamic_kv_yellow: float = 0.70
-    dynamic_kv_red: float = 0.80
-    dynamic_running_yellow: int = 0
+    dynamic_kv_yellow: float = FROM_CONFIG
+    dynamic_kv_red: float = FROM_CONFIG
+    dynamic_running_yellow: int = FROM_CONFIG
     dynamic_running_red: int = _follows("dynamic_running_yellow")
-    dynamic_waiting_yellow: int = 1
-    dynamic_waiting_red: int = 2
-    dynamic_preemption_delta_red: int = 1
+    dynamic_waiting_yellow: int = FROM_CONFIG
+    dynamic_waiting_red: int = FROM_CONFIG
+    dynamic_preemption_delta_red: int = FROM_CONFIG
     dynamic_pressure_limit_enabled: bool = _follows("dynamic_pig_enabled")
-    dynamic_pressure_headroom: int = 1
-    dynamic_pressure_min_limit: int = 1
-    dynamic_pressure_learn_ratio: float = 0.75
-    dynamic_pressure_learn_min_running: int = 16
+    dynamic_pressure_headroom: int = FROM_CONFIG
+    dynamic_pressure_min_limit: int = FROM_CONFIG
+    dynamic_pressure_learn_ratio: float = FROM_CONFIG
+    dynamic_pressure_learn_min_running: int = FROM_CONFIG
     dynamic_single_user_tps_enabled: bool = _follows("dynamic_pig_enabled")
-    dynamic_single_user_tps_yellow: float = 25.0
-    dynamic_single_user_tps_red: float = 20.0
-    dynamic_single_user_tps_min_running: int = 1
-    dynamic_single_user_tps_yellow_consecutive: int = 2
-    dynamic_single_user_tps_red_consecutive: int = 3
-    dynamic_single_user_tps_prefill_grace_min_seconds: float = 2.0
-    dynamic_single_user_tps_prefill_grace_max_seconds: float = 30.0
-    dynamic_single_user_tps_prefill_grace_body_bytes_per_second: float = 65536.0
-    dynamic_single_user_tps_prefill_grace_multiplier: float = 1.0
-    dynamic_single_user_tps_capacity_ratio: float = 0.42
-    dynamic_single_user_tps_capacity_ratio_max: float = 0.85
-    dynamic_single_user_tps_capacity_smoothing: float = 0.85
+    dynamic_single_user_tps_yellow: float = FROM_CONFIG
+    dynamic_single_user_tps_red: float = FROM_CONFIG
+    dynamic_single_user_tps_min_running: int = FROM_CONFIG
+    dynamic_single_user_tps_yellow_consecutive: int = FROM_CONFIG
+    dynamic_single_user_tps_red_consecutive: int = FROM_CONFIG
+    dynamic_single_user_tps_prefill_grace_min_seconds: float = FROM_CONFIG
+    dynamic_single_user_tps_prefill_grace_max_seconds: float = FROM_CONFIG
+    dynamic_single_user_tps_prefill_grace_body_bytes_per_second: float = FROM_CONFIG
+    dynamic_single_user_tps_prefill_grace_multiplier: float = FROM_CONFIG
+    dynamic_single_user_tps_capacity_ratio: float = FROM_CONFIG
+    dynamic_single_user_tps_capacity_ratio_max: float = FROM_CONFIG
+    dynamic_single_user_tps_capacity_smoothing: float = FROM_CONFIG
     dynamic_single_user_tps_capacity_learn_enabled: bool = _follows("dynamic_pig_enabled")
-    dynamic_single_user_tps_capacity_ratio_step_up: float = 0.02
-    dynamic_single_user_tps_capacity_healthy_consecutive: int = 10
-    dynamic_single_user_tps_capacity_healthy_multiplier: float = 1.5
+    dynamic_single_user_tps_capacity_ratio_step_up: float = FROM_CONFIG
+    dynamic_single_user_tps_capacity_healthy_consecutive: int = FROM_CONFIG
+    dynamic_single_user_tps_capacity_healthy_multiplier: float = FROM_CONFIG
     dynamic_ttft_enabled: bool = _follows("dynamic_single_user_tps_enabled")
-    dynamic_ttft_target_seconds: float = attrs.field(default=_TTFT_TARGET_S, converter=_ttft_target)
-    dynamic_ttft_red_seconds: float = attrs.field(default=_TTFT_RED_S, converter=_ttft_red)
-    dynamic_ttft_p99_target_seconds: float = attrs.field(
-        default=_TTFT_P99_TARGET_S, converter=_ttft_p99_target
-    )
-    dynamic_ttft_p99_red_seconds: float = attrs.field(
-        default=_TTFT_P99_RED_S, converter=_ttft_p99_red
-    )
+    dynamic_ttft_target_seconds: float = _positive_or_default("DYNAMIC_TTFT_TARGET_SECONDS")
+    dynamic_ttft_red_seconds: float = _positive_or_default("DYNAMIC_TTFT_RED_SECONDS")
+    dynamic_ttft_p99_target_seconds: float = _positive_or_default("DYNAMIC_TTFT_P99_TARGET_SECONDS")
+    dynamic_ttft_p99_red_seconds: float = _positive_or_default("DYNAMIC_TTFT_P99_RED_SECONDS")
     # -- inference-guard's predictive learner (DYNAMIC_POLICY=predictive)
     dynamic_policy: str = attrs.field(default=POLICIES[0], converter=_word, metadata={_WORD: True})
-    dynamic_predictive_batch_tokens: int = 2048
-    dynamic_predictive_forgetting: float = 0.9
-    dynamic_predictive_kv_limit: float = 0.9
-    dynamic_predictive_bytes_per_token: float = 4.0
-    dynamic_predictive_horizon_seconds: float = 3.0
+    dynamic_predictive_batch_tokens: int = FROM_CONFIG
+    dynamic_predictive_forgetting: float = FROM_CONFIG
+    dynamic_predictive_kv_limit: float = FROM_CONFIG
+    dynamic_predictive_bytes_per_token: float = FROM_CONFIG
+    dynamic_predictive_horizon_seconds: float = FROM_CONFIG
     pig_retry_after_mode: str = attrs.field(
         default=attrs.Factory(_retry_after_mode_default, takes_self=True),
         converter=_word,
@@ -372,6 +435,7 @@ _FIELDS: Final[dict[str, attrs.Attribute[Any]]] = {
 #: Every environment variable read, in a stable order.
 VARIABLES: Final[tuple[str, ...]] = tuple(_FIELDS)
 _F = attrs.fields(Environment)
+_BY_NAME: Final = attrs.fields_dict(Environment)
 
 
 @attrs.frozen
@@ -460,11 +524,6 @@ class Settings:
         seconds when it has them (``PIG_RETRY_AFTER_SECONDS`` otherwise; 0 still means none)."""
         return self.env.pig_retry_after_mode == RETRY_AFTER_MODES[1]
 
-    @property
-    def api_auth_enabled(self) -> bool:
-        """``API_AUTH_ENABLED``: POSTs to :attr:`auth_paths` need ``Bearer <TOKEN>``."""
-        return self.env.api_auth_enabled
-
     # -- spec 2.3
 
     @property
@@ -504,159 +563,47 @@ class Settings:
         output = self.lane_thresholds.output
         if output is None or not env.adaptive_output_classification:
             return None
-        return AdaptiveOutputConfig(
-            static=output,
-            window=env.adaptive_output_window,
-            min_samples=env.adaptive_output_min_samples,
-            quantiles=(
-                env.adaptive_output_medium_quantile,
-                env.adaptive_output_long_quantile,
-                env.adaptive_output_very_quantile,
-            ),
-            green_relax=env.adaptive_output_green_relax,
-            yellow_relax=env.adaptive_output_yellow_relax,
-            red_relax=env.adaptive_output_red_relax,
-        )
+        return AdaptiveOutputConfig(static=output, **_values(AdaptiveOutputConfig, env))
 
     # -- spec 2.2 and 2.5: the body rewrite (values are checked only while their feature is on)
 
-    @property
-    def priority_enabled(self) -> bool:
-        """``BACKEND_PRIORITY_INJECTION_ENABLED``."""
-        return self.env.backend_priority_injection_enabled
+    def injection_policy(self) -> InjectionPolicy:
+        """The body rewrite's settings (spec 2.2 compat cleanup, 2.5 priority injection), each
+        field read from the variable it names.
 
-    @property
-    def priority_mode(self) -> str:
-        """``BACKEND_PRIORITY_MODE``: ``all`` or ``premium_only`` (lower-cased)."""
-        return self.env.backend_priority_mode
-
-    @property
-    def priority_strategy(self) -> str:
-        """``BACKEND_PRIORITY_REWRITE_STRATEGY``: ``field_scan`` or ``append_last``."""
-        return self.env.backend_priority_rewrite_strategy
-
-    @property
-    def priority_field(self) -> str:
-        """``BACKEND_PRIORITY_FIELD``: the top-level member written first."""
-        return self.env.backend_priority_field
-
-    @property
-    def priority_premium_value(self) -> int:
-        """``BACKEND_PRIORITY_PREMIUM_VALUE``."""
-        return self.env.backend_priority_premium_value
-
-    @property
-    def priority_basic_value(self) -> int:
-        """``BACKEND_PRIORITY_BASIC_VALUE``."""
-        return self.env.backend_priority_basic_value
-
-    @property
-    def priority_body_bytes(self) -> int:
-        """``BACKEND_PRIORITY_BODY_BYTES``: the largest Content-Length rewritten."""
-        return self.env.backend_priority_body_bytes
-
-    @property
-    def priority_buffer_bytes(self) -> int:
-        """``BACKEND_PRIORITY_BUFFER_BYTES``: field_scan rewrites up to this size are buffered."""
-        return self.env.backend_priority_buffer_bytes
-
-    @property
-    def priority_stream_buffer_bytes(self) -> int:
-        """``BACKEND_PRIORITY_STREAM_BUFFER_BYTES``: scanner and safety-buffer ceiling."""
-        return self.env.backend_priority_stream_buffer_bytes
-
-    @property
-    def priority_rewrite_limit(self) -> int:
-        """``BACKEND_PRIORITY_REWRITE_LIMIT``: concurrent rewrite slots."""
-        return self.env.backend_priority_rewrite_limit
-
-    @property
-    def priority_fail_open(self) -> bool:
-        """``BACKEND_PRIORITY_FAIL_OPEN``."""
-        return self.env.backend_priority_fail_open
-
-    @property
-    def compat_strip_empty_tool_calls(self) -> bool:
-        """``OPENAI_COMPAT_STRIP_EMPTY_TOOL_CALLS``."""
-        return self.env.openai_compat_strip_empty_tool_calls
-
-    @property
-    def compat_body_bytes(self) -> int:
-        """``OPENAI_COMPAT_BODY_BYTES``: the largest Content-Length cleaned up."""
-        return self.env.openai_compat_body_bytes
-
-    @property
-    def compat_fail_open(self) -> bool:
-        """``OPENAI_COMPAT_FAIL_OPEN``."""
-        return self.env.openai_compat_fail_open
+        :class:`~guard_adapters.openai_body.InjectionPolicy` checks ``BACKEND_PRIORITY_MODE``,
+        ``BACKEND_PRIORITY_REWRITE_STRATEGY`` and ``BACKEND_PRIORITY_STREAM_BUFFER_BYTES`` even
+        while injection is off (they shape the compat cleanup too), so this raises its
+        :class:`ConfigError` for those, where :func:`load_config`, as PIG, checks them only
+        while injecting.
+        """
+        return InjectionPolicy(**_values(InjectionPolicy, self.env))
 
     def guard_config(self) -> GuardConfig:
-        """The pure core's settings."""
+        """The pure core's settings, each field read from the variable it names."""
         env = self.env
-        poll_ms = env.pig_queue_poll_ms if env.pig_queue_poll_ms > 0 else _FALLBACK_POLL_MS
-        gate = GateConfig(
-            global_limit=env.global_limit,
-            dynamic=self.dynamic_enforced,
-            queue_wait_s=env.pig_queue_wait_seconds,
-            queue_poll_ms=poll_ms,
-            kv_red=env.dynamic_kv_red,
-            waiting_red=env.dynamic_waiting_red,
-        )
+        values = _values(SignalThresholds, env)
         signals = SignalThresholds.from_global_limit(
-            env.global_limit,
-            green=env.dynamic_global_green_limit,
-            yellow=env.dynamic_global_yellow_limit,
-            red=env.dynamic_global_red_limit,
-            kv_yellow=env.dynamic_kv_yellow,
-            kv_red=env.dynamic_kv_red,
-            running_yellow=env.dynamic_running_yellow,
-            running_red=env.dynamic_running_red,
-            waiting_yellow=env.dynamic_waiting_yellow,
-            waiting_red=env.dynamic_waiting_red,
-            preemption_delta_red=env.dynamic_preemption_delta_red,
+            values.pop("global_limit"),
+            green=values.pop("green_limit"),
+            yellow=values.pop("yellow_limit"),
+            red=values.pop("red_limit"),
+            **values,
         )
-        policy = PolicyConfig(
-            global_limit=env.global_limit,
-            signals=signals,
-            pressure_enabled=env.dynamic_pressure_limit_enabled,
-            pressure_headroom=env.dynamic_pressure_headroom,
-            pressure_min_limit=env.dynamic_pressure_min_limit,
-            pressure_learn_ratio=env.dynamic_pressure_learn_ratio,
-            pressure_learn_min_running=env.dynamic_pressure_learn_min_running,
-            user_tps_enabled=env.dynamic_single_user_tps_enabled,
-            user_tps_yellow=env.dynamic_single_user_tps_yellow,
-            user_tps_red=env.dynamic_single_user_tps_red,
-            user_tps_min_running=env.dynamic_single_user_tps_min_running,
-            user_tps_yellow_consecutive=env.dynamic_single_user_tps_yellow_consecutive,
-            user_tps_red_consecutive=env.dynamic_single_user_tps_red_consecutive,
-            prefill_grace_min_s=env.dynamic_single_user_tps_prefill_grace_min_seconds,
-            prefill_grace_max_s=env.dynamic_single_user_tps_prefill_grace_max_seconds,
-            prefill_grace_bytes_per_s=(
-                env.dynamic_single_user_tps_prefill_grace_body_bytes_per_second
-            ),
-            prefill_grace_multiplier=env.dynamic_single_user_tps_prefill_grace_multiplier,
-            capacity_ratio=env.dynamic_single_user_tps_capacity_ratio,
-            capacity_ratio_max=env.dynamic_single_user_tps_capacity_ratio_max,
-            capacity_smoothing=env.dynamic_single_user_tps_capacity_smoothing,
-            capacity_learn_enabled=env.dynamic_single_user_tps_capacity_learn_enabled,
-            capacity_step_up=env.dynamic_single_user_tps_capacity_ratio_step_up,
-            capacity_healthy_consecutive=env.dynamic_single_user_tps_capacity_healthy_consecutive,
-            capacity_healthy_multiplier=env.dynamic_single_user_tps_capacity_healthy_multiplier,
-            ttft_enabled=env.dynamic_ttft_enabled,
-            ttft_target_s=env.dynamic_ttft_target_seconds,
-            ttft_red_s=env.dynamic_ttft_red_seconds,
-            ttft_p99_target_s=env.dynamic_ttft_p99_target_seconds,
-            ttft_p99_red_s=env.dynamic_ttft_p99_red_seconds,
+        gate = GateConfig(
+            **_values(GateConfig, env),
+            global_limit=signals.global_limit,
+            dynamic=self.dynamic_enforced,
+            queue_poll_ms=env.pig_queue_poll_ms if env.pig_queue_poll_ms > 0 else _FALLBACK_POLL_MS,
+            kv_red=signals.kv_red,
+            waiting_red=signals.waiting_red,
         )
+        policy = PolicyConfig(signals=signals, **_values(PolicyConfig, env))
         predictive = None
         if self.predictive_enabled:
-            predictive = PredictiveConfig.from_policy(
-                policy,
-                batch_tokens=env.dynamic_predictive_batch_tokens,
-                forgetting=env.dynamic_predictive_forgetting,
-                kv_limit=env.dynamic_predictive_kv_limit,
-                bytes_per_token=env.dynamic_predictive_bytes_per_token,
-                horizon_s=env.dynamic_predictive_horizon_seconds,
+            predictive = PredictiveConfig(
+                user_tps_floor=min(policy.user_tps_red, policy.user_tps_yellow),
+                **_values(PredictiveConfig, env),
             )
         return GuardConfig(
             gate=gate,
@@ -756,13 +703,7 @@ _NON_FINITE = re.compile(r"[+-]?(?:inf|infinity|nan)", re.IGNORECASE)
 _INT64 = 2**63
 _TRUE = frozenset({"1", "true", "yes", "y", "on"})
 _FALSE = frozenset({"0", "false", "no", "n", "off"})
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _STATES = {state.value: state for state in (LoadState.GREEN, LoadState.YELLOW, LoadState.RED)}
-
-
-def _shown(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _text(value: object) -> str:
@@ -1007,103 +948,45 @@ def _split_listen(text: str) -> tuple[str, int] | None:
 # -- ranges and cross-variable rules -----------------------------------------------------------
 
 
-@attrs.frozen
-class _Problem:
-    #: The variables involved; the first one leads the message.
-    variables: tuple[str, ...]
-    text: str
-
-    def __str__(self) -> str:
-        return f"{self.variables[0]}: {self.text}"
-
-
-def _number(value: float) -> str:
-    return repr(value) if isinstance(value, float) else str(value)
-
-
 class _Checks:
-    """Collects problems instead of stopping at the first; one method per kind of rule."""
+    """Collects problems instead of stopping at the first; one method per kind of rule.
+
+    The ranges of the settings the core configs read are not here: those configs carry them
+    (:func:`_core_problems`). These are the adapter's own variables and rules."""
 
     def __init__(self, env: Environment) -> None:
         self.env = env
-        self.found: list[_Problem] = []
+        self.found: list[Problem] = []
 
     def add(self, variables: Iterable[str], text: str) -> None:
-        self.found.append(_Problem(tuple(variables), text))
+        self.found.append(Problem(tuple(variables), text))
 
     def _value(self, field: attrs.Attribute[Any]) -> Any:
         return getattr(self.env, field.name)
 
-    def at_least(
-        self,
-        field: attrs.Attribute[Any],
-        bound: float,
-        *,
-        unless_same_as: attrs.Attribute[Any] | None = None,
-    ) -> None:
-        """``unless_same_as`` names the variable this one follows by default: while the two are
-        equal, that variable's own check already reports the value."""
-        value = self._value(field)
-        if unless_same_as is not None and value == self._value(unless_same_as):
-            return
-        if not value >= bound:
-            self.add([_variable(field)], f"must be >= {bound}, got {_number(value)}")
+    def rule(self, field: attrs.Attribute[Any], *rules: Rule) -> None:
+        """``field`` keeps each rule; a rule's partner is another field of :class:`Environment`."""
+        for rule in rules:
+            partner = None if rule.partner is None else _BY_NAME[rule.partner]
+            partner_value = None if partner is None else self._value(partner)
+            partner_name = "" if partner is None else _variable(partner)
+            text = rule.broken(self._value(field), partner_value, partner_name)
+            if text is not None:
+                self.add([_variable(field), partner_name] if partner else [_variable(field)], text)
+
+    def at_least(self, field: attrs.Attribute[Any], bound: float) -> None:
+        self.rule(field, AtLeast(bound))
 
     def above(self, field: attrs.Attribute[Any], bound: float) -> None:
-        value = self._value(field)
-        if not value > bound:
-            self.add([_variable(field)], f"must be > {bound}, got {_number(value)}")
-
-    def within(
-        self,
-        field: attrs.Attribute[Any],
-        low: float,
-        high: float,
-        *,
-        low_open: bool = False,
-        high_open: bool = False,
-    ) -> None:
-        value = self._value(field)
-        low_ok = value > low if low_open else value >= low
-        high_ok = value < high if high_open else value <= high
-        if not (low_ok and high_ok):
-            interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-            self.add([_variable(field)], f"must be in {interval}, got {_number(value)}")
-
-    def not_above(self, low: attrs.Attribute[Any], high: attrs.Attribute[Any]) -> None:
-        low_value, high_value = self._value(low), self._value(high)
-        if low_value > high_value:
-            self.add(
-                [_variable(low), _variable(high)],
-                f"must not be above {_variable(high)} ({_number(high_value)}),"
-                f" got {_number(low_value)}",
-            )
-
-    def below(self, low: attrs.Attribute[Any], high: attrs.Attribute[Any]) -> None:
-        low_value, high_value = self._value(low), self._value(high)
-        if not low_value < high_value:
-            self.add(
-                [_variable(low), _variable(high)],
-                f"must be below {_variable(high)} ({_number(high_value)}),"
-                f" got {_number(low_value)}",
-            )
-
-    def one_of(self, field: attrs.Attribute[Any], choices: Sequence[str]) -> None:
-        value = self._value(field)
-        if value not in choices:
-            self.add([_variable(field)], f"must be {' or '.join(choices)}, got {_shown(value)}")
+        self.rule(field, Greater(bound))
 
     def identifiers(self, field: attrs.Attribute[Any]) -> None:
-        """Each name (a string or a list of them) is an ASCII identifier; none is repeated."""
-        value = self._value(field)
-        names = (value,) if isinstance(value, str) else value
+        """Each name of a list is an ASCII identifier; none is repeated."""
         seen: set[str] = set()
-        for name in names:
-            if not _IDENTIFIER.fullmatch(name):
-                self.add(
-                    [_variable(field)],
-                    f"{_shown(name)} must be a letter or '_' followed by letters, digits or '_'",
-                )
+        for name in self._value(field):
+            text = Identifier().broken(name, None, "")
+            if text is not None:
+                self.add([_variable(field)], text)
             if name in seen:
                 self.add([_variable(field)], f"{_shown(name)} is listed twice")
             seen.add(name)
@@ -1113,7 +996,7 @@ class _Checks:
         for field in fields:
             self.above(field, 0)
         for low, high in itertools.pairwise(fields):
-            self.below(low, high)
+            self.rule(low, Below(high.name))
 
 
 def _path_problems(checks: _Checks, field: attrs.Attribute[Any], *, required: bool) -> None:
@@ -1173,7 +1056,7 @@ def _routing_problems(checks: _Checks, routing: _Routing) -> None:
             )
 
 
-def _problems(env: Environment) -> list[_Problem]:
+def _problems(env: Environment) -> list[Problem]:
     """Every range and cross-variable rule of spec 2 that ``env`` breaks."""
     c = _Checks(env)
     f = _F
@@ -1181,11 +1064,9 @@ def _problems(env: Environment) -> list[_Problem]:
     if _split_listen(env.listen) is None:
         c.add(["LISTEN"], f"expected [host]:port with a numeric port, got {_shown(env.listen)}")
     _routing_problems(c, _resolve_routing(env))
-    c.at_least(f.global_limit, 0)
     _path_problems(c, f.pig_paths, required=True)
     c.above(f.proxy_timeout_seconds, 0)
     c.at_least(f.pig_status_log_interval_seconds, 0)
-    c.at_least(f.pig_queue_wait_seconds, 0)
     if env.pig_queue_wait_seconds > 0:
         c.above(f.pig_queue_poll_ms, 0)
     c.at_least(f.pig_retry_after_seconds, 0)
@@ -1198,9 +1079,29 @@ def _problems(env: Environment) -> list[_Problem]:
     c.at_least(f.pig_upstream_idle_timeout_seconds, 0)
     _path_problems(c, f.pig_forward_paths, required=False)
     _feature_problems(c)
-    _dynamic_problems(c)
+    c.above(f.dynamic_poll_interval_ms, 0)
+    _core_problems(c)
     _predictive_problems(c)
     return c.found
+
+
+def _core_problems(c: _Checks) -> None:
+    """The rules the core configs and the body rewrite carry, checked on the values they would
+    be built from: the adaptive thresholds' while ``ADAPTIVE_OUTPUT_CLASSIFICATION`` is on, the
+    predictive learner's while it is chosen, the others always (each stage's own rules apply
+    while its flag is on, the priority rules while injecting). A rule shared by two configs is
+    reported once."""
+    env = c.env
+    found: list[Problem] = []
+    for cls in (*_CORE_CONFIGS, InjectionPolicy):
+        if cls is AdaptiveOutputConfig and not env.adaptive_output_classification:
+            continue
+        if cls is PredictiveConfig and env.dynamic_policy != POLICIES[1]:
+            continue
+        for problem in problems(cls, _values(cls, env)):
+            if problem not in found:
+                found.append(problem)
+    c.found.extend(found)
 
 
 def _feature_problems(c: _Checks) -> None:
@@ -1211,8 +1112,6 @@ def _feature_problems(c: _Checks) -> None:
         c.add(["API_AUTH_ENABLED", "TOKEN"], "is on but TOKEN is empty")
     if env.api_auth_paths != env.pig_paths:
         _path_problems(c, f.api_auth_paths, required=env.api_auth_enabled)
-    if env.openai_compat_strip_empty_tool_calls:
-        c.above(f.openai_compat_body_bytes, 0)
     # spec 2.3
     if env.attestation_enabled:
         c.above(f.attestation_nvidia_command_timeout_seconds, 0)
@@ -1223,91 +1122,13 @@ def _feature_problems(c: _Checks) -> None:
         c.above(f.json_classify_body_bytes, 0)
         c.above(f.json_classify_limit, 0)
         c.increasing((f.medium_output_tokens, f.long_output_tokens, f.very_long_output_tokens))
-    if env.adaptive_output_classification:
-        c.above(f.adaptive_output_window, 0)
-        c.at_least(f.adaptive_output_min_samples, 0)
-        c.not_above(f.adaptive_output_min_samples, f.adaptive_output_window)
-        quantiles = (
-            f.adaptive_output_medium_quantile,
-            f.adaptive_output_long_quantile,
-            f.adaptive_output_very_quantile,
-        )
-        relax = (
-            f.adaptive_output_red_relax,
-            f.adaptive_output_yellow_relax,
-            f.adaptive_output_green_relax,
-        )
-        for ordered in (quantiles, relax):
-            for field in ordered:
-                c.within(field, 0, 1)
-            for low, high in itertools.pairwise(ordered):
-                c.not_above(low, high)
-    # spec 2.5
-    if env.backend_priority_injection_enabled:
-        c.one_of(f.backend_priority_mode, PRIORITY_MODES)
-        c.one_of(f.backend_priority_rewrite_strategy, REWRITE_STRATEGIES)
-        c.identifiers(f.backend_priority_field)
-        c.above(f.backend_priority_body_bytes, 0)
-        c.at_least(f.backend_priority_buffer_bytes, 0)
-        c.above(f.backend_priority_stream_buffer_bytes, 0)
-        c.above(f.backend_priority_rewrite_limit, 0)
-
-
-def _dynamic_problems(c: _Checks) -> None:
-    """Spec 2.6."""
-    env, f = c.env, _F
-    # spec 2.6, always checked
-    c.above(f.dynamic_poll_interval_ms, 0)
-    c.at_least(f.dynamic_global_green_limit, 0, unless_same_as=f.global_limit)
-    c.at_least(f.dynamic_global_yellow_limit, 0, unless_same_as=f.dynamic_global_green_limit)
-    c.at_least(f.dynamic_global_red_limit, 0, unless_same_as=f.dynamic_global_yellow_limit)
-    for yellow, red in (
-        (f.dynamic_kv_yellow, f.dynamic_kv_red),
-        (f.dynamic_running_yellow, f.dynamic_running_red),
-        (f.dynamic_waiting_yellow, f.dynamic_waiting_red),
-    ):
-        c.at_least(yellow, 0)
-        c.at_least(red, 0, unless_same_as=yellow)
-        c.not_above(yellow, red)
-    c.at_least(f.dynamic_preemption_delta_red, 0)
-    if env.dynamic_pressure_limit_enabled:
-        c.at_least(f.dynamic_pressure_headroom, 0)
-        c.at_least(f.dynamic_pressure_min_limit, 0)
-        c.within(f.dynamic_pressure_learn_ratio, 0, 1, low_open=True)
-        c.at_least(f.dynamic_pressure_learn_min_running, 0)
-    if env.dynamic_single_user_tps_enabled:
-        c.above(f.dynamic_single_user_tps_yellow, 0)
-        c.above(f.dynamic_single_user_tps_red, 0)
-        c.not_above(f.dynamic_single_user_tps_red, f.dynamic_single_user_tps_yellow)
-        c.above(f.dynamic_single_user_tps_min_running, 0)
-        c.above(f.dynamic_single_user_tps_yellow_consecutive, 0)
-        c.above(f.dynamic_single_user_tps_red_consecutive, 0)
-        c.at_least(f.dynamic_single_user_tps_prefill_grace_min_seconds, 0)
-        c.not_above(
-            f.dynamic_single_user_tps_prefill_grace_min_seconds,
-            f.dynamic_single_user_tps_prefill_grace_max_seconds,
-        )
-        c.above(f.dynamic_single_user_tps_prefill_grace_body_bytes_per_second, 0)
-        c.above(f.dynamic_single_user_tps_prefill_grace_multiplier, 0)
-        c.within(f.dynamic_single_user_tps_capacity_ratio, 0, 1, low_open=True)
-        c.within(f.dynamic_single_user_tps_capacity_ratio_max, 0, 1)
-        c.not_above(
-            f.dynamic_single_user_tps_capacity_ratio, f.dynamic_single_user_tps_capacity_ratio_max
-        )
-        c.within(f.dynamic_single_user_tps_capacity_smoothing, 0, 1, high_open=True)
-        c.within(f.dynamic_single_user_tps_capacity_ratio_step_up, 0, 1, low_open=True)
-        c.above(f.dynamic_single_user_tps_capacity_healthy_consecutive, 0)
-        c.at_least(f.dynamic_single_user_tps_capacity_healthy_multiplier, 1)
-    if env.dynamic_ttft_enabled:
-        c.not_above(f.dynamic_ttft_target_seconds, f.dynamic_ttft_red_seconds)
-        c.not_above(f.dynamic_ttft_p99_target_seconds, f.dynamic_ttft_p99_red_seconds)
 
 
 def _predictive_problems(c: _Checks) -> None:
     """The learner choice and, while the predictive learner is chosen, its settings."""
     env, f = c.env, _F
-    c.one_of(f.dynamic_policy, POLICIES)
-    c.one_of(f.pig_retry_after_mode, RETRY_AFTER_MODES)
+    c.rule(f.dynamic_policy, OneOf(POLICIES))
+    c.rule(f.pig_retry_after_mode, OneOf(RETRY_AFTER_MODES))
     if env.dynamic_policy != POLICIES[1]:
         return
     if not env.dynamic_pig_enabled:
@@ -1316,11 +1137,3 @@ def _predictive_problems(c: _Checks) -> None:
             "predictive needs dynamic mode (DYNAMIC_PIG_ENABLED on, with a metrics URL):"
             " it learns from the backends' metrics",
         )
-    c.at_least(f.dynamic_predictive_batch_tokens, 16)
-    c.within(f.dynamic_predictive_forgetting, 0.5, 1, high_open=True)
-    c.within(f.dynamic_predictive_kv_limit, 0, 1, low_open=True)
-    c.above(f.dynamic_predictive_bytes_per_token, 0)
-    c.within(f.dynamic_predictive_horizon_seconds, 0.5, 60)
-    if not env.dynamic_single_user_tps_enabled:
-        # The predictive learner's speed target; checked above already while PIG's stage is on.
-        c.above(f.dynamic_single_user_tps_yellow, 0)

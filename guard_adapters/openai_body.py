@@ -61,11 +61,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import attrs
 
 from guard_adapters._errors import BodyRewriteError, ConfigError
+from guard_adapters._rules import Identifier, OneOf
+from guard_core.settings import AtLeast, Greater, Rule, problems, setting
 from guard_core.tier import Tier
 
 __all__ = (
@@ -91,7 +93,25 @@ _MIN_BUCKET: Final = 4 * KIB
 #: The default output-token field names of spec 2.4.
 DEFAULT_OUTPUT_TOKEN_FIELDS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: ``BACKEND_PRIORITY_MODE`` values, the default first.
+PRIORITY_MODES: Final = ("all", "premium_only")
+#: ``BACKEND_PRIORITY_REWRITE_STRATEGY`` values, the default first.
+REWRITE_STRATEGIES: Final = ("field_scan", "append_last")
+#: What a built :class:`InjectionPolicy` checks even with injection off (PIG does not).
+_CHECKED_WHEN_OFF: Final = frozenset(
+    {
+        "BACKEND_PRIORITY_MODE",
+        "BACKEND_PRIORITY_REWRITE_STRATEGY",
+        "BACKEND_PRIORITY_STREAM_BUFFER_BYTES",
+        "OPENAI_COMPAT_BODY_BYTES",
+    }
+)
+
+
+def _injecting(default: object, env: str, *rules: Rule) -> Any:
+    """A ``BACKEND_PRIORITY_*`` setting whose rules PIG applies while injection is on."""
+    return setting(default, env=env, rules=rules, when="enabled")
+
 
 #: The injector counters a caller bumps: ``pig_backend_priority_{rewrite,skipped,failed}_total``.
 CounterName = Literal["rewritten", "skipped", "failed"]
@@ -104,58 +124,52 @@ CounterName = Literal["rewritten", "skipped", "failed"]
 class InjectionPolicy:
     """The settings of spec 2.2 (compat cleanup) and 2.5 (priority injection), PIG's defaults.
 
-    The field names follow the variables: ``enabled`` is ``BACKEND_PRIORITY_INJECTION_ENABLED``,
-    ``strip_empty_tool_calls`` is ``OPENAI_COMPAT_STRIP_EMPTY_TOOL_CALLS`` and so on. As in PIG,
+    Each field names the variable it is read from (``metadata["env"]``, see
+    :mod:`guard_core.settings`) and holds its default, which the config adapter uses. As in PIG,
     the injection ranges are checked only while injection is on and the compat size only while
-    stripping is on; ``mode`` and ``strategy`` are always checked. A bad value raises
+    stripping is on (the config adapter checks exactly these rules); a built policy also keeps
+    ``mode``, ``strategy`` and ``stream_buffer_bytes`` with injection off. A bad value raises
     :class:`~guard_adapters._errors.ConfigError` naming every offending variable.
     """
 
-    enabled: bool = True
-    mode: Literal["all", "premium_only"] = "all"
-    strategy: Literal["field_scan", "append_last"] = "field_scan"
-    field: str = "priority"
-    premium_value: int = -100
-    basic_value: int = 0
-    body_bytes: int = 32 * MIB
-    buffer_bytes: int = 0
-    stream_buffer_bytes: int = 2 * MIB
-    rewrite_limit: int = 64
-    fail_open: bool = True
-    strip_empty_tool_calls: bool = True
-    compat_body_bytes: int = 32 * MIB
-    compat_fail_open: bool = True
+    enabled: bool = setting(True, env="BACKEND_PRIORITY_INJECTION_ENABLED")
+    mode: Literal["all", "premium_only"] = _injecting(
+        PRIORITY_MODES[0], "BACKEND_PRIORITY_MODE", OneOf(PRIORITY_MODES)
+    )
+    strategy: Literal["field_scan", "append_last"] = _injecting(
+        REWRITE_STRATEGIES[0], "BACKEND_PRIORITY_REWRITE_STRATEGY", OneOf(REWRITE_STRATEGIES)
+    )
+    field: str = _injecting("priority", "BACKEND_PRIORITY_FIELD", Identifier())
+    premium_value: int = setting(-100, env="BACKEND_PRIORITY_PREMIUM_VALUE")
+    basic_value: int = setting(0, env="BACKEND_PRIORITY_BASIC_VALUE")
+    body_bytes: int = _injecting(32 * MIB, "BACKEND_PRIORITY_BODY_BYTES", Greater(0))
+    buffer_bytes: int = _injecting(0, "BACKEND_PRIORITY_BUFFER_BYTES", AtLeast(0))
+    stream_buffer_bytes: int = _injecting(
+        2 * MIB, "BACKEND_PRIORITY_STREAM_BUFFER_BYTES", Greater(0)
+    )
+    #: The configured count follows ``GLOBAL_LIMIT`` (see the config adapter); 64 at most.
+    rewrite_limit: int = _injecting(64, "BACKEND_PRIORITY_REWRITE_LIMIT", Greater(0))
+    fail_open: bool = setting(True, env="BACKEND_PRIORITY_FAIL_OPEN")
+    strip_empty_tool_calls: bool = setting(True, env="OPENAI_COMPAT_STRIP_EMPTY_TOOL_CALLS")
+    compat_body_bytes: int = setting(
+        32 * MIB,
+        env="OPENAI_COMPAT_BODY_BYTES",
+        rules=(Greater(0),),
+        when="strip_empty_tool_calls",
+    )
+    compat_fail_open: bool = setting(True, env="OPENAI_COMPAT_FAIL_OPEN")
 
     def __attrs_post_init__(self) -> None:
-        problems: list[str] = []
-        if self.mode not in ("all", "premium_only"):
-            problems.append(f"BACKEND_PRIORITY_MODE: {self.mode!r} is not all or premium_only")
-        if self.strategy not in ("field_scan", "append_last"):
-            problems.append(
-                f"BACKEND_PRIORITY_REWRITE_STRATEGY: {self.strategy!r} is not field_scan or "
-                "append_last"
-            )
-        if self.enabled:
-            if _IDENTIFIER.fullmatch(self.field) is None:
-                problems.append(
-                    f"BACKEND_PRIORITY_FIELD: {self.field!r} does not match [A-Za-z_][A-Za-z0-9_]*"
-                )
-            for name, value, low in (
-                ("BACKEND_PRIORITY_BODY_BYTES", self.body_bytes, 1),
-                ("BACKEND_PRIORITY_BUFFER_BYTES", self.buffer_bytes, 0),
-                ("BACKEND_PRIORITY_REWRITE_LIMIT", self.rewrite_limit, 1),
-            ):
-                if value < low:
-                    problems.append(f"{name}: {value} must be at least {low}")
-        if self.strip_empty_tool_calls and self.compat_body_bytes < 1:
-            problems.append(f"OPENAI_COMPAT_BODY_BYTES: {self.compat_body_bytes} must be above 0")
-        if self.stream_buffer_bytes < 1:
-            # The compat path's scanner ceiling too, so it is checked even with injection off.
-            problems.append(
-                f"BACKEND_PRIORITY_STREAM_BUFFER_BYTES: {self.stream_buffer_bytes} must be above 0"
-            )
-        if problems:
-            raise ConfigError(dict.fromkeys(problems))
+        # The rules as PIG applies them, except that the mode, the strategy and the scanner
+        # ceiling shape the compat cleanup too, so a built policy keeps them with injection off.
+        values = {**attrs.asdict(self, recurse=False), "enabled": True}
+        found = [
+            str(problem)
+            for problem in problems(InjectionPolicy, values)
+            if self.enabled or problem.variables[0] in _CHECKED_WHEN_OFF
+        ]
+        if found:
+            raise ConfigError(found)
 
     def value_for(self, tier: Tier) -> int:
         """The trusted priority written for ``tier``."""

@@ -19,11 +19,10 @@ Guarantees:
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import attrs
 
-from guard_core._errors import InvalidObservation, PolicyConfigError
+from guard_core._errors import InvalidObservation
 from guard_core.decision import (
     Admission,
     Admitted,
@@ -35,6 +34,8 @@ from guard_core.decision import (
     Rejected,
     StateReason,
 )
+from guard_core.settings import AtLeast, Greater, default_of, require_valid, setting
+from guard_core.signal_state import SignalThresholds
 from guard_core.tier import Tier, basic_limit
 
 __all__ = (
@@ -62,32 +63,31 @@ _PRESSURE_WAIT_S = 0.25
 _KV_CRITICAL = 0.95
 
 
-def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value < 0:
-        raise PolicyConfigError(f"{attribute.name} must be >= 0, got {value}")
-
-
-def _positive(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
-    if value <= 0:
-        raise PolicyConfigError(f"{attribute.name} must be > 0, got {value}")
-
-
 @attrs.frozen(kw_only=True)
 class GateConfig:
-    """The settings the gate reads, with PIG's defaults."""
+    """The settings the gate reads, with PIG's defaults and ranges.
+
+    Only ``queue_wait_s`` is read from its variable as it is; the others are copies of settings
+    :class:`~guard_core.SignalThresholds` owns, or follow from several variables.
+    """
 
     #: ``GLOBAL_LIMIT``: the hard in-flight cap for admitted requests.
-    global_limit: int = attrs.field(default=512, validator=_non_negative)
+    global_limit: int = setting(default_of(SignalThresholds, "global_limit"), rules=(AtLeast(0),))
     #: Dynamic mode enabled *and* enforced; otherwise the cap is ``global_limit``.
     dynamic: bool = True
     #: ``PIG_QUEUE_WAIT_SECONDS``; the effective wait is at most 0.5 s.
-    queue_wait_s: float = attrs.field(default=0.5, validator=_non_negative)
+    queue_wait_s: float = setting(0.5, env="PIG_QUEUE_WAIT_SECONDS", rules=(AtLeast(0),))
     #: ``PIG_QUEUE_POLL_MS``; the fallback re-check period is ten times this, within [50 ms, 1 s].
-    queue_poll_ms: int = attrs.field(default=100, validator=_positive)
+    #: (The adapter reads the variable itself: a value that is not positive is allowed while the
+    #: wait is 0, and then stands for PIG's fallback.)
+    queue_poll_ms: int = setting(100, rules=(Greater(0),))
     #: ``DYNAMIC_KV_RED``; 0 turns the KV rule of the short wait off.
-    kv_red: float = attrs.field(default=0.80, validator=_non_negative)
+    kv_red: float = setting(default_of(SignalThresholds, "kv_red"), rules=(AtLeast(0),))
     #: ``DYNAMIC_WAITING_RED``; 0 turns the waiting rule of the short wait off.
-    waiting_red: int = attrs.field(default=2, validator=_non_negative)
+    waiting_red: int = setting(default_of(SignalThresholds, "waiting_red"), rules=(AtLeast(0),))
+
+    def __attrs_post_init__(self) -> None:
+        require_valid(self)
 
     @property
     def fallback_check_s(self) -> float:

@@ -19,6 +19,7 @@ import attrs
 
 from guard_core._errors import PolicyConfigError
 from guard_core.decision import LoadState
+from guard_core.settings import AtLeast, Greater, NotAbove, Within, require_valid, setting
 
 __all__ = (
     "AdaptiveOutputConfig",
@@ -124,35 +125,40 @@ def combine_lanes(body: Lane, output: Lane | None) -> Lane:
 # -- adaptive output thresholds ----------------------------------------------------------------
 
 
-def _unit_interval(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise PolicyConfigError(f"{attribute.name} must be within [0, 1], got {value}")
+_UNIT = Within(0, 1)
 
 
 @attrs.frozen(kw_only=True)
 class AdaptiveOutputConfig:
-    """``ADAPTIVE_OUTPUT_*`` settings, PIG's defaults."""
+    """``ADAPTIVE_OUTPUT_*`` settings, PIG's defaults and ranges."""
 
     static: Thresholds = DEFAULT_OUTPUT_THRESHOLDS
-    window: int = 512
-    min_samples: int = 32
-    quantiles: tuple[float, float, float] = (0.50, 0.90, 0.99)
-    green_relax: float = attrs.field(default=1.0, validator=_unit_interval)
-    yellow_relax: float = attrs.field(default=0.5, validator=_unit_interval)
-    red_relax: float = attrs.field(default=0.0, validator=_unit_interval)
+    window: int = setting(512, env="ADAPTIVE_OUTPUT_WINDOW", rules=(Greater(0),))
+    min_samples: int = setting(
+        32, env="ADAPTIVE_OUTPUT_MIN_SAMPLES", rules=(AtLeast(0), NotAbove("window"))
+    )
+    medium_quantile: float = setting(
+        0.50, env="ADAPTIVE_OUTPUT_MEDIUM_QUANTILE", rules=(_UNIT, NotAbove("long_quantile"))
+    )
+    long_quantile: float = setting(
+        0.90, env="ADAPTIVE_OUTPUT_LONG_QUANTILE", rules=(_UNIT, NotAbove("very_quantile"))
+    )
+    very_quantile: float = setting(0.99, env="ADAPTIVE_OUTPUT_VERY_QUANTILE", rules=(_UNIT,))
+    green_relax: float = setting(1.0, env="ADAPTIVE_OUTPUT_GREEN_RELAX", rules=(_UNIT,))
+    yellow_relax: float = setting(
+        0.5, env="ADAPTIVE_OUTPUT_YELLOW_RELAX", rules=(_UNIT, NotAbove("green_relax"))
+    )
+    red_relax: float = setting(
+        0.0, env="ADAPTIVE_OUTPUT_RED_RELAX", rules=(_UNIT, NotAbove("yellow_relax"))
+    )
 
     def __attrs_post_init__(self) -> None:
-        if self.window <= 0:
-            raise PolicyConfigError(f"window must be > 0, got {self.window}")
-        if not 0 <= self.min_samples <= self.window:
-            raise PolicyConfigError(
-                f"min_samples must be within [0, window={self.window}], got {self.min_samples}"
-            )
-        low, mid, high = self.quantiles
-        if not (0.0 <= low <= mid <= high <= 1.0):
-            raise PolicyConfigError(f"quantiles must be non-decreasing in [0, 1]: {self.quantiles}")
-        if not self.red_relax <= self.yellow_relax <= self.green_relax:
-            raise PolicyConfigError("relax factors must satisfy red <= yellow <= green")
+        require_valid(self)
+
+    @property
+    def quantiles(self) -> tuple[float, float, float]:
+        """The medium, long and very long quantiles."""
+        return (self.medium_quantile, self.long_quantile, self.very_quantile)
 
     def relax(self, state: LoadState) -> float:
         if state is LoadState.RED:

@@ -1,8 +1,10 @@
 """The learning pipeline's settings, with PIG's defaults (spec 2.6).
 
 Reads: nothing; built by the config adapter from the environment, or directly by tests.
-Guarantees: every value is validated when built (``PolicyConfigError`` names the setting), so the
-stages never meet an out-of-range threshold.
+Guarantees: every value is validated when built by the rules its field carries
+(:mod:`guard_core.settings`; ``PolicyConfigError`` names the variable and the value), so the stages
+never meet an out-of-range threshold. Each default and range is written here once; the config
+adapter reads them from these fields.
 """
 
 from __future__ import annotations
@@ -11,108 +13,113 @@ from typing import Any
 
 import attrs
 
-from guard_core._errors import require
+from guard_core.settings import (
+    AtLeast,
+    Greater,
+    NotAbove,
+    Rule,
+    Within,
+    default_of,
+    require_valid,
+    setting,
+)
 from guard_core.signal_state import SignalThresholds
 
 __all__ = ("PolicyConfig",)
 
 
+def _pressure(default: float, env: str, *rules: Rule) -> Any:
+    """A ``DYNAMIC_PRESSURE_*`` setting: its rules apply while the pressure stage is on."""
+    return setting(default, env=env, rules=rules, when="pressure_enabled")
+
+
+def _user_tps(default: float, env: str, *rules: Rule) -> Any:
+    """A ``DYNAMIC_SINGLE_USER_TPS_*`` setting: its rules apply while that stage is on."""
+    return setting(default, env=env, rules=rules, when="user_tps_enabled")
+
+
+def _ttft(default: float, env: str, *rules: Rule) -> Any:
+    """A ``DYNAMIC_TTFT_*`` setting: its rules apply while the TTFT stage is on."""
+    return setting(default, env=env, rules=rules, when="ttft_enabled")
+
+
+_TPS = "DYNAMIC_SINGLE_USER_TPS_"
+
+
 @attrs.frozen(kw_only=True)
 class PolicyConfig:
-    """Every threshold of the capacity learner. Names follow the ``DYNAMIC_*`` variables."""
+    """Every threshold of the capacity learner, each with its ``DYNAMIC_*`` variable and range.
+
+    A stage's ranges apply only while the stage is on, as PIG checks them.
+    """
 
     #: ``GLOBAL_LIMIT``: no stage ever allows more.
-    global_limit: int = 512
+    global_limit: int = setting(
+        default_of(SignalThresholds, "global_limit"), env="GLOBAL_LIMIT", rules=(AtLeast(0),)
+    )
     signals: SignalThresholds = attrs.field(
         default=attrs.Factory(
             lambda self: SignalThresholds.from_global_limit(self.global_limit), takes_self=True
         )
     )
     # DYNAMIC_PRESSURE_*
-    pressure_enabled: bool = True
-    pressure_headroom: int = 1
-    pressure_min_limit: int = 1
-    pressure_learn_ratio: float = 0.75
-    pressure_learn_min_running: int = 16
+    pressure_enabled: bool = setting(True, env="DYNAMIC_PRESSURE_LIMIT_ENABLED")
+    pressure_headroom: int = _pressure(1, "DYNAMIC_PRESSURE_HEADROOM", AtLeast(0))
+    pressure_min_limit: int = _pressure(1, "DYNAMIC_PRESSURE_MIN_LIMIT", AtLeast(0))
+    pressure_learn_ratio: float = _pressure(
+        0.75, "DYNAMIC_PRESSURE_LEARN_RATIO", Within(0, 1, low_open=True)
+    )
+    pressure_learn_min_running: int = _pressure(
+        16, "DYNAMIC_PRESSURE_LEARN_MIN_RUNNING", AtLeast(0)
+    )
     # DYNAMIC_SINGLE_USER_TPS_*
-    user_tps_enabled: bool = True
-    user_tps_yellow: float = 25.0
-    user_tps_red: float = 20.0
-    user_tps_min_running: int = 1
-    user_tps_yellow_consecutive: int = 2
-    user_tps_red_consecutive: int = 3
-    prefill_grace_min_s: float = 2.0
-    prefill_grace_max_s: float = 30.0
-    prefill_grace_bytes_per_s: float = 65536.0
-    prefill_grace_multiplier: float = 1.0
-    capacity_ratio: float = 0.42
-    capacity_ratio_max: float = 0.85
-    capacity_smoothing: float = 0.85
-    capacity_learn_enabled: bool = True
-    capacity_step_up: float = 0.02
-    capacity_healthy_consecutive: int = 10
-    capacity_healthy_multiplier: float = 1.5
-    # DYNAMIC_TTFT_*
-    ttft_enabled: bool = True
-    ttft_target_s: float = 1.0
-    ttft_red_s: float = 3.0
-    ttft_p99_target_s: float = 3.0
-    ttft_p99_red_s: float = 8.0
+    user_tps_enabled: bool = setting(True, env=_TPS + "ENABLED")
+    user_tps_yellow: float = _user_tps(25.0, _TPS + "YELLOW", Greater(0))
+    user_tps_red: float = _user_tps(20.0, _TPS + "RED", Greater(0), NotAbove("user_tps_yellow"))
+    user_tps_min_running: int = _user_tps(1, _TPS + "MIN_RUNNING", Greater(0))
+    user_tps_yellow_consecutive: int = _user_tps(2, _TPS + "YELLOW_CONSECUTIVE", Greater(0))
+    user_tps_red_consecutive: int = _user_tps(3, _TPS + "RED_CONSECUTIVE", Greater(0))
+    prefill_grace_min_s: float = _user_tps(
+        2.0, _TPS + "PREFILL_GRACE_MIN_SECONDS", AtLeast(0), NotAbove("prefill_grace_max_s")
+    )
+    prefill_grace_max_s: float = setting(30.0, env=_TPS + "PREFILL_GRACE_MAX_SECONDS")
+    prefill_grace_bytes_per_s: float = _user_tps(
+        65536.0, _TPS + "PREFILL_GRACE_BODY_BYTES_PER_SECOND", Greater(0)
+    )
+    prefill_grace_multiplier: float = _user_tps(1.0, _TPS + "PREFILL_GRACE_MULTIPLIER", Greater(0))
+    capacity_ratio: float = _user_tps(
+        0.42,
+        _TPS + "CAPACITY_RATIO",
+        Within(0, 1, low_open=True),
+        NotAbove("capacity_ratio_max"),
+    )
+    capacity_ratio_max: float = _user_tps(0.85, _TPS + "CAPACITY_RATIO_MAX", Within(0, 1))
+    capacity_smoothing: float = _user_tps(
+        0.85, _TPS + "CAPACITY_SMOOTHING", Within(0, 1, high_open=True)
+    )
+    capacity_learn_enabled: bool = setting(True, env=_TPS + "CAPACITY_LEARN_ENABLED")
+    capacity_step_up: float = _user_tps(
+        0.02, _TPS + "CAPACITY_RATIO_STEP_UP", Within(0, 1, low_open=True)
+    )
+    capacity_healthy_consecutive: int = _user_tps(
+        10, _TPS + "CAPACITY_HEALTHY_CONSECUTIVE", Greater(0)
+    )
+    capacity_healthy_multiplier: float = _user_tps(
+        1.5, _TPS + "CAPACITY_HEALTHY_MULTIPLIER", AtLeast(1)
+    )
+    # DYNAMIC_TTFT_* (the adapter reads a threshold that is not positive as its default)
+    ttft_enabled: bool = setting(True, env="DYNAMIC_TTFT_ENABLED")
+    ttft_target_s: float = _ttft(
+        1.0, "DYNAMIC_TTFT_TARGET_SECONDS", Greater(0), NotAbove("ttft_red_s")
+    )
+    ttft_red_s: float = setting(3.0, env="DYNAMIC_TTFT_RED_SECONDS")
+    ttft_p99_target_s: float = _ttft(
+        3.0, "DYNAMIC_TTFT_P99_TARGET_SECONDS", NotAbove("ttft_p99_red_s")
+    )
+    ttft_p99_red_s: float = setting(8.0, env="DYNAMIC_TTFT_P99_RED_SECONDS")
 
     def __attrs_post_init__(self) -> None:
-        require(self.global_limit >= 0, "GLOBAL_LIMIT must be >= 0")
-        if self.pressure_enabled:
-            require(self.pressure_headroom >= 0, "DYNAMIC_PRESSURE_HEADROOM must be >= 0")
-            require(self.pressure_min_limit >= 0, "DYNAMIC_PRESSURE_MIN_LIMIT must be >= 0")
-            require(
-                0 < self.pressure_learn_ratio <= 1, "DYNAMIC_PRESSURE_LEARN_RATIO must be in (0, 1]"
-            )
-            require(
-                self.pressure_learn_min_running >= 0,
-                "DYNAMIC_PRESSURE_LEARN_MIN_RUNNING must be >= 0",
-            )
-        if self.user_tps_enabled:
-            require(
-                0 < self.user_tps_red <= self.user_tps_yellow,
-                "DYNAMIC_SINGLE_USER_TPS_RED must be > 0 and <= DYNAMIC_SINGLE_USER_TPS_YELLOW",
-            )
-            require(
-                self.user_tps_min_running > 0, "DYNAMIC_SINGLE_USER_TPS_MIN_RUNNING must be > 0"
-            )
-            require(
-                self.user_tps_yellow_consecutive > 0 and self.user_tps_red_consecutive > 0,
-                "DYNAMIC_SINGLE_USER_TPS_*_CONSECUTIVE must be > 0",
-            )
-            require(
-                0 <= self.prefill_grace_min_s <= self.prefill_grace_max_s,
-                "prefill grace: MIN must be >= 0 and MAX >= MIN",
-            )
-            require(
-                self.prefill_grace_bytes_per_s > 0, "prefill grace bytes per second must be > 0"
-            )
-            require(self.prefill_grace_multiplier > 0, "prefill grace multiplier must be > 0")
-            require(0 < self.capacity_ratio <= 1, "CAPACITY_RATIO must be in (0, 1]")
-            require(
-                self.capacity_ratio <= self.capacity_ratio_max <= 1,
-                "CAPACITY_RATIO_MAX must be in [CAPACITY_RATIO, 1]",
-            )
-            require(0 <= self.capacity_smoothing < 1, "CAPACITY_SMOOTHING must be in [0, 1)")
-            require(0 < self.capacity_step_up <= 1, "CAPACITY_RATIO_STEP_UP must be in (0, 1]")
-            require(
-                self.capacity_healthy_consecutive > 0, "CAPACITY_HEALTHY_CONSECUTIVE must be > 0"
-            )
-            require(
-                self.capacity_healthy_multiplier >= 1, "CAPACITY_HEALTHY_MULTIPLIER must be >= 1"
-            )
-        if self.ttft_enabled:
-            require(self.ttft_target_s > 0, "DYNAMIC_TTFT_TARGET_SECONDS must be > 0")
-            require(
-                self.ttft_red_s >= self.ttft_target_s, "DYNAMIC_TTFT_RED_SECONDS must be >= target"
-            )
-            require(
-                self.ttft_p99_red_s >= self.ttft_p99_target_s,
-                "DYNAMIC_TTFT_P99_RED_SECONDS must be >= the p99 target",
-            )
+        require_valid(self)
 
     def evolve(self, **changes: Any) -> PolicyConfig:
         return attrs.evolve(self, **changes)

@@ -44,6 +44,15 @@ from guard_core.engine_fit import EngineFit, Interval, observe
 from guard_core.evaluation import BackendPoll
 from guard_core.observations import BackendSample
 from guard_core.policy import PolicyConfig
+from guard_core.settings import (
+    AtLeast,
+    Greater,
+    NotAbove,
+    Within,
+    default_of,
+    require_valid,
+    setting,
+)
 
 __all__ = (
     "Binding",
@@ -113,46 +122,54 @@ class PredictiveConfig:
     """Settings of the predictive learner (``DYNAMIC_PREDICTIVE_*``)."""
 
     #: ``DYNAMIC_SINGLE_USER_TPS_YELLOW``: the per-user speed every decoding user keeps.
-    user_tps_target: float = 25.0
-    #: ``DYNAMIC_SINGLE_USER_TPS_RED``: the floor the target gives way to on an engine that
-    #: cannot reach it even for one user (a large model on one GPU).
-    user_tps_floor: float = 20.0
+    user_tps_target: float = setting(
+        default_of(PolicyConfig, "user_tps_yellow"),
+        env="DYNAMIC_SINGLE_USER_TPS_YELLOW",
+        rules=(Greater(0),),
+    )
+    #: ``DYNAMIC_SINGLE_USER_TPS_RED`` (never above the target): the floor the target gives way
+    #: to on an engine that cannot reach it even for one user (a large model on one GPU).
+    user_tps_floor: float = setting(
+        default_of(PolicyConfig, "user_tps_red"), rules=(Greater(0), NotAbove("user_tps_target"))
+    )
     #: ``DYNAMIC_TTFT_TARGET_SECONDS``: the most queueing and interference a first token may see.
-    ttft_target_s: float = 1.0
+    ttft_target_s: float = setting(
+        default_of(PolicyConfig, "ttft_target_s"),
+        env="DYNAMIC_TTFT_TARGET_SECONDS",
+        rules=(Greater(0),),
+    )
     #: The engine's token budget per step (vLLM ``max_num_batched_tokens``).
-    batch_tokens: int = 2048
+    batch_tokens: int = setting(2048, env="DYNAMIC_PREDICTIVE_BATCH_TOKENS", rules=(AtLeast(16),))
     #: Per-poll forgetting factor of the engine fit: lower follows changes faster.
-    forgetting: float = 0.9
+    forgetting: float = setting(
+        0.9, env="DYNAMIC_PREDICTIVE_FORGETTING", rules=(Within(0.5, 1, high_open=True),)
+    )
     #: Highest predicted KV-cache usage a new request may bring the engine to.
-    kv_limit: float = 0.9
-    #: Body bytes per prompt token assumed until the backend's counter has taught the real ratio.
-    bytes_per_token: float = 4.0
+    kv_limit: float = setting(
+        0.9, env="DYNAMIC_PREDICTIVE_KV_LIMIT", rules=(Within(0, 1, low_open=True),)
+    )
+    #: Body bytes per prompt token assumed until the backend's counter has taught the real ratio
+    #: (finite as well: the adapter reads only finite numbers).
+    bytes_per_token: float = setting(
+        4.0, env="DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN", rules=(Greater(0),)
+    )
     #: The window over which the prompt tokens forwarded count as the engine's prefill load (an
     #: exponential decay with this time constant): short enough that a burst of long prompts,
     #: which stalls every decoder while it is prefilled, is seen as the burst it is.
-    horizon_s: float = 3.0
-    global_limit: int = 512
+    horizon_s: float = setting(
+        3.0,
+        env="DYNAMIC_PREDICTIVE_HORIZON_SECONDS",
+        rules=(Within(_MIN_HORIZON_S, _MAX_HORIZON_S),),
+    )
+    global_limit: int = setting(
+        default_of(PolicyConfig, "global_limit"), env="GLOBAL_LIMIT", rules=(AtLeast(0),)
+    )
 
     def __attrs_post_init__(self) -> None:
-        require(self.user_tps_target > 0, "DYNAMIC_SINGLE_USER_TPS_YELLOW must be > 0")
+        require_valid(self)
         require(
-            0 < self.user_tps_floor <= self.user_tps_target,
-            "DYNAMIC_SINGLE_USER_TPS_RED must be > 0 and <= DYNAMIC_SINGLE_USER_TPS_YELLOW",
+            self.bytes_per_token < math.inf, "DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN must be finite"
         )
-        require(self.ttft_target_s > 0, "DYNAMIC_TTFT_TARGET_SECONDS must be > 0")
-        require(self.batch_tokens >= 16, "DYNAMIC_PREDICTIVE_BATCH_TOKENS must be >= 16")
-        require(0.5 <= self.forgetting < 1, "DYNAMIC_PREDICTIVE_FORGETTING must be in [0.5, 1)")
-        require(0 < self.kv_limit <= 1, "DYNAMIC_PREDICTIVE_KV_LIMIT must be in (0, 1]")
-        require(
-            0 < self.bytes_per_token < math.inf,
-            "DYNAMIC_PREDICTIVE_BYTES_PER_TOKEN must be > 0",
-        )
-        require(
-            _MIN_HORIZON_S <= self.horizon_s <= _MAX_HORIZON_S,
-            f"DYNAMIC_PREDICTIVE_HORIZON_SECONDS must be in [{_MIN_HORIZON_S:g},"
-            f" {_MAX_HORIZON_S:g}]",
-        )
-        require(self.global_limit >= 0, "GLOBAL_LIMIT must be >= 0")
 
     @classmethod
     def from_policy(cls, policy: PolicyConfig, **settings: Any) -> PredictiveConfig:

@@ -23,13 +23,13 @@ well, just as the gate's short-wait rule already treats ``DYNAMIC_WAITING_RED=0`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from guard_core._errors import InvalidObservation, PolicyConfigError
 from guard_core.decision import LoadState, StateReason
+from guard_core.settings import AtLeast, NotAbove, require_valid, setting
 
 __all__ = ("SignalReasons", "SignalThresholds", "raw_signal_reasons", "state_limit")
 
@@ -41,23 +41,17 @@ _WAITING_RED = 2
 _PREEMPTION_DELTA_RED = 1
 
 
-def _at_least_zero(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    # Written so that NaN fails too.
-    if not value >= 0:
-        raise PolicyConfigError(f"{attribute.name} must be >= 0, got {value}")
+_NON_NEGATIVE = (AtLeast(0),)
 
 
-def _not_above(red_field: str) -> Callable[[object, attrs.Attribute[Any], float], None]:
-    """A validator for a yellow threshold: it must not exceed its red partner."""
+def _yellow(default: float, env: str, red: str) -> Any:
+    """A yellow threshold: >= 0 and not above its red partner ``red``."""
+    return setting(default, env=env, rules=(AtLeast(0), NotAbove(red)))
 
-    def check(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-        red = getattr(instance, red_field)
-        if value > red:
-            raise PolicyConfigError(
-                f"{attribute.name} ({value}) must not be above {red_field} ({red})"
-            )
 
-    return check
+def _following(default: float, env: str, follows: str) -> Any:
+    """A value >= 0 that PIG defaults to ``follows`` (whose own check reports it while equal)."""
+    return setting(default, env=env, rules=_NON_NEGATIVE, unless_same_as=follows)
 
 
 @attrs.frozen(kw_only=True)
@@ -70,28 +64,27 @@ class SignalThresholds:
     """
 
     #: ``GLOBAL_LIMIT``; every state cap is read as at most this.
-    global_limit: int = attrs.field(default=_GLOBAL_LIMIT, validator=_at_least_zero)
+    global_limit: int = setting(_GLOBAL_LIMIT, env="GLOBAL_LIMIT", rules=_NON_NEGATIVE)
     #: ``DYNAMIC_GLOBAL_GREEN_LIMIT`` / ``_YELLOW_LIMIT`` / ``_RED_LIMIT``.
-    green_limit: int = attrs.field(default=_GLOBAL_LIMIT, validator=_at_least_zero)
-    yellow_limit: int = attrs.field(default=_GLOBAL_LIMIT, validator=_at_least_zero)
-    red_limit: int = attrs.field(default=_GLOBAL_LIMIT, validator=_at_least_zero)
+    green_limit: int = _following(_GLOBAL_LIMIT, "DYNAMIC_GLOBAL_GREEN_LIMIT", "global_limit")
+    yellow_limit: int = _following(_GLOBAL_LIMIT, "DYNAMIC_GLOBAL_YELLOW_LIMIT", "green_limit")
+    red_limit: int = _following(_GLOBAL_LIMIT, "DYNAMIC_GLOBAL_RED_LIMIT", "yellow_limit")
     #: ``DYNAMIC_KV_YELLOW`` / ``DYNAMIC_KV_RED`` (a fraction of the KV cache; 0 is off).
-    kv_yellow: float = attrs.field(
-        default=_KV_YELLOW, validator=(_at_least_zero, _not_above("kv_red"))
-    )
-    kv_red: float = attrs.field(default=_KV_RED, validator=_at_least_zero)
+    kv_yellow: float = _yellow(_KV_YELLOW, "DYNAMIC_KV_YELLOW", "kv_red")
+    kv_red: float = _following(_KV_RED, "DYNAMIC_KV_RED", "kv_yellow")
     #: ``DYNAMIC_RUNNING_YELLOW`` / ``_RED`` (0 is off, the default).
-    running_yellow: int = attrs.field(
-        default=0, validator=(_at_least_zero, _not_above("running_red"))
-    )
-    running_red: int = attrs.field(default=0, validator=_at_least_zero)
+    running_yellow: int = _yellow(0, "DYNAMIC_RUNNING_YELLOW", "running_red")
+    running_red: int = _following(0, "DYNAMIC_RUNNING_RED", "running_yellow")
     #: ``DYNAMIC_WAITING_YELLOW`` / ``_RED`` (0 is off; see the module notes).
-    waiting_yellow: int = attrs.field(
-        default=_WAITING_YELLOW, validator=(_at_least_zero, _not_above("waiting_red"))
-    )
-    waiting_red: int = attrs.field(default=_WAITING_RED, validator=_at_least_zero)
+    waiting_yellow: int = _yellow(_WAITING_YELLOW, "DYNAMIC_WAITING_YELLOW", "waiting_red")
+    waiting_red: int = _following(_WAITING_RED, "DYNAMIC_WAITING_RED", "waiting_yellow")
     #: ``DYNAMIC_PREEMPTION_DELTA_RED``: a per-poll preemption increase this large is red.
-    preemption_delta_red: int = attrs.field(default=_PREEMPTION_DELTA_RED, validator=_at_least_zero)
+    preemption_delta_red: int = setting(
+        _PREEMPTION_DELTA_RED, env="DYNAMIC_PREEMPTION_DELTA_RED", rules=_NON_NEGATIVE
+    )
+
+    def __attrs_post_init__(self) -> None:
+        require_valid(self)
 
     @classmethod
     def from_global_limit(

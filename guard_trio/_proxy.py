@@ -48,7 +48,6 @@ from guard_adapters.chunked import ChunkedBodyReader, ChunkedFramingError, frame
 from guard_adapters.config import Settings
 from guard_adapters.http_head import SimpleRequest
 from guard_adapters.openai_body import (
-    InjectionPolicy,
     Plan,
     StreamingRewriter,
     as_utf8_json,
@@ -269,22 +268,7 @@ class ProxyApp:
         self.attestation_enabled: bool = env.attestation_enabled
         self.attestation = AttestationHandler(settings)
         self.sse_keepalive: bool = env.sse_keepalive_enabled
-        self.injection = InjectionPolicy(
-            enabled=settings.priority_enabled,
-            mode=settings.priority_mode,  # type: ignore[arg-type]
-            strategy=settings.priority_strategy,  # type: ignore[arg-type]
-            field=settings.priority_field,
-            premium_value=settings.priority_premium_value,
-            basic_value=settings.priority_basic_value,
-            body_bytes=settings.priority_body_bytes,
-            buffer_bytes=settings.priority_buffer_bytes,
-            stream_buffer_bytes=settings.priority_stream_buffer_bytes,
-            rewrite_limit=settings.priority_rewrite_limit,
-            fail_open=settings.priority_fail_open,
-            strip_empty_tool_calls=settings.compat_strip_empty_tool_calls,
-            compat_body_bytes=settings.compat_body_bytes,
-            compat_fail_open=settings.compat_fail_open,
-        )
+        self.injection = settings.injection_policy()
         self.rewrites_in_flight = 0
         self.classify = env.classify_output_tokens
         self.classify_body_bytes = env.json_classify_body_bytes

@@ -1,8 +1,9 @@
 """Write docs/configuration.md from the configuration classes (``python tools/gen_config_docs.py``).
 
 The variables, their order, their sections and their defaults come from
-``guard_adapters.config.Environment``; the effective default is what an empty environment
-gives. ``tests/property/adapters/test_config_docs.py`` fails when the file is stale.
+``guard_adapters.config.Environment`` (whose defaults for the variables the core configs read
+are those configs' own fields); the effective default is what an empty environment gives.
+``tests/property/adapters/test_config_docs.py`` fails when the file is stale.
 """
 
 from __future__ import annotations

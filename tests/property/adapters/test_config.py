@@ -627,24 +627,24 @@ def test_section_2_2_defaults() -> None:
     settings = load_config({})
     env = settings.env
     assert env.api_auth_enabled is False
-    assert settings.api_auth_enabled is False
+    assert settings.env.api_auth_enabled is False
     assert env.api_auth_paths == DEFAULT_QOS_PATHS
     assert settings.auth_paths == PathPolicy()
     assert env.upstream_error_classification_enabled is True
     assert env.openai_compat_strip_empty_tool_calls is True
     assert env.openai_compat_body_bytes == 33_554_432
     assert env.openai_compat_fail_open is True
-    assert settings.compat_strip_empty_tool_calls is True
-    assert settings.compat_body_bytes == 33_554_432
-    assert settings.compat_fail_open is True
+    assert settings.injection_policy().strip_empty_tool_calls is True
+    assert settings.injection_policy().compat_body_bytes == 33_554_432
+    assert settings.injection_policy().compat_fail_open is True
 
 
 def test_api_auth_is_on_by_default_exactly_when_a_token_is_set() -> None:
-    assert load_config({"TOKEN": "t"}).api_auth_enabled
-    assert not load_config({"TOKEN": "t", "API_AUTH_ENABLED": "false"}).api_auth_enabled
-    assert load_config({"TOKEN": "t", "API_AUTH_ENABLED": " yes "}).api_auth_enabled
+    assert load_config({"TOKEN": "t"}).env.api_auth_enabled
+    assert not load_config({"TOKEN": "t", "API_AUTH_ENABLED": "false"}).env.api_auth_enabled
+    assert load_config({"TOKEN": "t", "API_AUTH_ENABLED": " yes "}).env.api_auth_enabled
     # An empty TOKEN is the same as none.
-    assert not load_config({"TOKEN": ""}).api_auth_enabled
+    assert not load_config({"TOKEN": ""}).env.api_auth_enabled
 
 
 def test_api_auth_on_needs_a_token() -> None:
@@ -693,8 +693,8 @@ def test_compat_body_limit_is_checked_only_while_stripping() -> None:
         settings = load_config(
             {"OPENAI_COMPAT_BODY_BYTES": value, "OPENAI_COMPAT_STRIP_EMPTY_TOOL_CALLS": "no"}
         )
-        assert settings.compat_body_bytes == int(value)
-        assert not settings.compat_strip_empty_tool_calls
+        assert settings.injection_policy().compat_body_bytes == int(value)
+        assert not settings.injection_policy().strip_empty_tool_calls
 
 
 def test_section_2_2_switches_are_read() -> None:
@@ -982,7 +982,9 @@ def test_adaptive_output_settings_need_both_switches() -> None:
         static=Thresholds((100, 4096, 8192)),
         window=10,
         min_samples=10,
-        quantiles=(0.0, 0.0, 1.0),
+        medium_quantile=0.0,
+        long_quantile=0.0,
+        very_quantile=1.0,
         green_relax=0.3,
         yellow_relax=0.3,
         red_relax=0.1,
@@ -1039,17 +1041,14 @@ def test_min_samples_may_be_zero_or_equal_the_window() -> None:
 
 def test_section_2_5_defaults() -> None:
     settings = load_config({})
-    assert settings.priority_enabled is True
-    assert settings.priority_mode == "all"
-    assert settings.priority_strategy == "field_scan"
-    assert settings.priority_field == "priority"
-    assert settings.priority_premium_value == -100
-    assert settings.priority_basic_value == 0
-    assert settings.priority_body_bytes == 33_554_432
-    assert settings.priority_buffer_bytes == 0
-    assert settings.priority_stream_buffer_bytes == 2_097_152
-    assert settings.priority_rewrite_limit == 64
-    assert settings.priority_fail_open is True
+    policy = settings.injection_policy()
+    assert policy.enabled is True
+    assert policy.fail_open is True
+    assert (policy.mode, policy.strategy, policy.field) == ("all", "field_scan", "priority")
+    assert (policy.premium_value, policy.basic_value) == (-100, 0)
+    sizes = (policy.body_bytes, policy.buffer_bytes, policy.stream_buffer_bytes)
+    assert sizes == (33_554_432, 0, 2_097_152)
+    assert policy.rewrite_limit == 64
     env = settings.env
     assert env.backend_priority_injection_enabled is True
     assert env.backend_priority_mode == "all"
@@ -1071,17 +1070,18 @@ def test_priority_values_are_read() -> None:
             "BACKEND_PRIORITY_FAIL_OPEN": "no",
         }
     )
-    assert settings.priority_mode == "premium_only"
-    assert settings.priority_strategy == "append_last"
-    assert settings.priority_field == "_prio9"
-    assert settings.priority_premium_value == -(2**63)
-    assert settings.priority_basic_value == 7
-    assert settings.priority_body_bytes == 1
-    assert settings.priority_buffer_bytes == 4096
-    assert settings.priority_stream_buffer_bytes == 1
-    assert settings.priority_rewrite_limit == 1
-    assert settings.priority_fail_open is False
-    assert load_config({"BACKEND_PRIORITY_MODE": "  "}).priority_mode == "all"
+    policy = settings.injection_policy()
+    assert policy.mode == "premium_only"
+    assert policy.strategy == "append_last"
+    assert policy.field == "_prio9"
+    assert policy.premium_value == -(2**63)
+    assert policy.basic_value == 7
+    assert policy.body_bytes == 1
+    assert policy.buffer_bytes == 4096
+    assert policy.stream_buffer_bytes == 1
+    assert policy.rewrite_limit == 1
+    assert policy.fail_open is False
+    assert load_config({"BACKEND_PRIORITY_MODE": "  "}).injection_policy().mode == "all"
 
 
 @pytest.mark.parametrize(
@@ -1103,7 +1103,7 @@ def test_priority_rules_only_while_injecting(variable: str, value: str, fragment
     assert fragment in assert_reported({variable: value}, variable)
     off = {variable: value, "BACKEND_PRIORITY_INJECTION_ENABLED": "false"}
     settings = load_config(off)
-    assert not settings.priority_enabled
+    assert not settings.env.backend_priority_injection_enabled
 
 
 @pytest.mark.parametrize(
