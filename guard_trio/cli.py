@@ -11,15 +11,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from guard_trio import (
-    __version__,
-    _demo_cli,
-    _record,
-    _replay_cli,
-    _serve_cli,
-    _sim_backend_cli,
-    _simulate_cli,
-)
+from guard_trio import __version__, _record, _replay_cli, _serve_cli
+from guard_trio.tools import _demo_cli, _sim_backend_cli, _simulate_cli
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ import trio
 from guard_adapters.engine_model import TTFT_BUCKETS
 from guard_adapters.metrics import parse_metrics
 from guard_core.observations import Flavour
-from guard_trio.sim_backend import (
+from guard_trio.tools.sim_backend import (
     SGLANG_ITL_BUCKETS,
     SGLANG_TTFT_BUCKETS,
     VLLM_ITL_BUCKETS,

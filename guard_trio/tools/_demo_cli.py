@@ -6,8 +6,9 @@ environment, no file, no network beyond 127.0.0.1.
 Guarantees:
 
 - Everything runs in one trio process on 127.0.0.1 with ports chosen by the kernel (port 0): a
-  simulated vLLM (:class:`~guard_trio.sim_backend.SimBackend`, a calibrated two-GPU 32B profile
-  with ``max_num_seqs`` 48, whose per-user speed falls below 25 tok/s past about 20 streams),
+  simulated vLLM (:class:`~guard_trio.tools.sim_backend.SimBackend`, a calibrated two-GPU 32B
+  profile with ``max_num_seqs`` 48, whose per-user speed falls below 25 tok/s past about 20
+  streams),
   the guard in front of it (dynamic mode, polling ``/metrics`` every 500 ms) and a load
   generator of simulated users.
 - The load is a plan fixed by the seed: user ``i`` starts at a set time (ramping from light to
@@ -54,7 +55,7 @@ import trio
 from guard_adapters.config import load_config
 from guard_adapters.engine_model import PROFILES, idle_prefill_s
 from guard_trio._server import GuardServer
-from guard_trio.sim_backend import SimBackend, SimBackendConfig
+from guard_trio.tools.sim_backend import SimBackend, SimBackendConfig
 
 PROFILE = "2xa100-tp2-qwen2.5-32b"
 MAX_NUM_SEQS = 48

@@ -1,6 +1,6 @@
 """``inference-guard sim-backend``: serve the simulated vLLM or SGLang engine over HTTP.
 
-The server itself lives in :mod:`guard_trio.sim_backend`.
+The server itself lives in :mod:`guard_trio.tools.sim_backend`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from guard_adapters.engine_model import DEFAULT_PROFILE, PROFILES
-from guard_trio.sim_backend import SimBackendConfig, SimBackendError, serve_sim_backend
+from guard_trio.tools.sim_backend import SimBackendConfig, SimBackendError, serve_sim_backend
 
 
 def _slow_down(text: str) -> tuple[float, float]:
