@@ -16,7 +16,7 @@ import itertools
 import math
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -59,18 +59,42 @@ def _bucket_pairs(bounds: Sequence[float], cumulative: Iterable[int]) -> list[tu
     ]
 
 
-def _itl_family(
-    name: str,
-    documentation: str,
-    *,
-    labels: tuple[list[str], list[str]],
-    metrics: EngineMetrics,
-    bounds: Sequence[float],
-) -> HistogramMetricFamily:
-    """The engine's inter-token latency histogram under ``name``; ``labels``: names, values."""
-    family = HistogramMetricFamily(name, documentation, labels=labels[0])
-    family.add_metric(labels[1], _bucket_pairs(bounds, metrics.itl_bucket_counts), metrics.itl_sum)
-    return family
+#: A metric's labels: their names and, in the same order, their values.
+Labels = tuple[list[str], list[str]]
+_TTFT_HELP: Final = "Histogram of time to first token in seconds."
+_ITL_HELP: Final = "Histogram of inter-token latency in seconds."
+
+
+def _gauges(rows: Iterable[tuple[str, str, float]], labels: Labels) -> Iterator[Metric]:
+    """One gauge per ``(name, help, value)`` row."""
+    for name, documentation, value in rows:
+        gauge = GaugeMetricFamily(name, documentation, labels=labels[0])
+        gauge.add_metric(labels[1], float(value))
+        yield gauge
+
+
+def _counters(
+    rows: Iterable[tuple[str, str, float]], labels: Labels, created: float
+) -> Iterator[Metric]:
+    """One counter per ``(name, help, value)`` row, each with the server's start as ``created``."""
+    for name, documentation, value in rows:
+        counter = CounterMetricFamily(name, documentation, labels=labels[0])
+        counter.add_metric(labels[1], float(value), created=created)
+        yield counter
+
+
+def _histograms(
+    driver: EngineDriver, metrics: EngineMetrics, labels: Labels, ttft: str, itl: tuple[str, str]
+) -> Iterator[Metric]:
+    """The TTFT histogram the driver keeps and the engine's inter-token latency histogram."""
+    histogram = driver.ttft_histogram
+    first = HistogramMetricFamily(ttft, _TTFT_HELP, labels=labels[0])
+    first.add_metric(labels[1], histogram.buckets(), histogram.sum)
+    yield first
+    pairs = _bucket_pairs(driver.itl_buckets, metrics.itl_bucket_counts)
+    between = HistogramMetricFamily(itl[0], itl[1], labels=labels[0])
+    between.add_metric(labels[1], pairs, metrics.itl_sum)
+    yield between
 
 
 class _Collector:
@@ -90,120 +114,113 @@ class _Collector:
 
     def _vllm(self, m: EngineMetrics, model: str, *, legacy: bool) -> Iterator[Metric]:
         driver = self._driver
-        names = ["model_name"] if legacy else ["model_name", "engine"]
-        values = [model] if legacy else [model, "0"]
-        created = driver.created_wall
-        gauges = (
-            (
-                "vllm:num_requests_running",
-                "Number of requests in model execution batches.",
-                m.running,
-            ),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m.waiting),
-            (
-                ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.")
-                if legacy
-                else ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-            )
-            + (m.kv_usage,),
+        labels = (["model_name"], [model]) if legacy else (["model_name", "engine"], [model, "0"])
+        kv = (
+            ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.")
+            if legacy
+            else ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         )
-        for name, documentation, value in gauges:
-            gauge = GaugeMetricFamily(name, documentation, labels=names)
-            gauge.add_metric(values, float(value))
-            yield gauge
-        counters = (
+        yield from _gauges(
             (
-                "vllm:num_preemptions",
-                "Cumulative number of preemption from the engine.",
-                m.preemptions_total,
+                (
+                    "vllm:num_requests_running",
+                    "Number of requests in model execution batches.",
+                    m.running,
+                ),
+                (
+                    "vllm:num_requests_waiting",
+                    "Number of requests waiting to be processed.",
+                    m.waiting,
+                ),
+                (*kv, m.kv_usage),
             ),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens_total),
-            (
-                "vllm:generation_tokens",
-                "Number of generation tokens processed.",
-                m.generation_tokens_total,
-            ),
+            labels,
         )
-        for name, documentation, value in counters:
-            counter = CounterMetricFamily(name, documentation, labels=names)
-            counter.add_metric(values, float(value), created=created)
-            yield counter
+        yield from _counters(
+            (
+                (
+                    "vllm:num_preemptions",
+                    "Cumulative number of preemption from the engine.",
+                    m.preemptions_total,
+                ),
+                (
+                    "vllm:prompt_tokens",
+                    "Number of prefill tokens processed.",
+                    m.prompt_tokens_total,
+                ),
+                (
+                    "vllm:generation_tokens",
+                    "Number of generation tokens processed.",
+                    m.generation_tokens_total,
+                ),
+            ),
+            labels,
+            driver.created_wall,
+        )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            labels=[*names, "finished_reason"],
+            labels=[*labels[0], "finished_reason"],
         )
         for reason, count in driver.finished_by_reason.items():
-            success.add_metric([*values, reason], float(count), created=created)
+            success.add_metric([*labels[1], reason], float(count), created=driver.created_wall)
         yield success
-        ttft = HistogramMetricFamily(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            labels=names,
-        )
-        histogram = driver.ttft_histogram
-        ttft.add_metric(values, histogram.buckets(), histogram.sum)
-        yield ttft
-        itl_name, itl_help = (
+        itl = (
             ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.")
             if legacy
-            else (
-                "vllm:inter_token_latency_seconds",
-                "Histogram of inter-token latency in seconds.",
-            )
+            else ("vllm:inter_token_latency_seconds", _ITL_HELP)
         )
-        yield _itl_family(
-            itl_name, itl_help, labels=(names, values), metrics=m, bounds=driver.itl_buckets
-        )
+        yield from _histograms(driver, m, labels, "vllm:time_to_first_token_seconds", itl)
 
     def _sglang(self, m: EngineMetrics, model: str) -> Iterator[Metric]:
         driver = self._driver
-        scheduler = ["model_name", "engine_type", "tp_rank", "pp_rank"]
-        scheduler_values = [model, "unified", "0", "0"]
-        tokenizer = ["model_name", "engine_type"]
-        tokenizer_values = [model, "unified"]
-        gauges = (
-            ("sglang:num_running_reqs", "The number of running requests.", m.running),
-            ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", m.waiting),
-            ("sglang:token_usage", "The token usage.", m.kv_usage),
-            (
-                "sglang:gen_throughput",
-                "The generation throughput (token/s).",
-                driver.generation_rate(m),
-            ),
-            # Cumulative here: what a guard reads from this gauge is the count of retractions.
-            ("sglang:num_retracted_reqs", "The number of retracted requests.", m.preemptions_total),
+        scheduler = (
+            ["model_name", "engine_type", "tp_rank", "pp_rank"],
+            [model, "unified", "0", "0"],
         )
-        for name, documentation, value in gauges:
-            gauge = GaugeMetricFamily(name, documentation, labels=scheduler)
-            gauge.add_metric(scheduler_values, float(value))
-            yield gauge
-        counters = (
-            ("sglang:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens_total),
+        tokenizer = (["model_name", "engine_type"], [model, "unified"])
+        rate = driver.generation_rate(m)
+        yield from _gauges(
             (
-                "sglang:generation_tokens",
-                "Number of generation tokens processed.",
-                m.generation_tokens_total,
+                ("sglang:num_running_reqs", "The number of running requests.", m.running),
+                (
+                    "sglang:num_queue_reqs",
+                    "The number of requests in the waiting queue.",
+                    m.waiting,
+                ),
+                ("sglang:token_usage", "The token usage.", m.kv_usage),
+                ("sglang:gen_throughput", "The generation throughput (token/s).", rate),
+                # Cumulative here: what a guard reads from this gauge is the count of retractions.
+                (
+                    "sglang:num_retracted_reqs",
+                    "The number of retracted requests.",
+                    m.preemptions_total,
+                ),
             ),
+            scheduler,
         )
-        for name, documentation, value in counters:
-            counter = CounterMetricFamily(name, documentation, labels=tokenizer)
-            counter.add_metric(tokenizer_values, float(value), created=driver.created_wall)
-            yield counter
-        ttft = HistogramMetricFamily(
+        yield from _counters(
+            (
+                (
+                    "sglang:prompt_tokens",
+                    "Number of prefill tokens processed.",
+                    m.prompt_tokens_total,
+                ),
+                (
+                    "sglang:generation_tokens",
+                    "Number of generation tokens processed.",
+                    m.generation_tokens_total,
+                ),
+            ),
+            tokenizer,
+            driver.created_wall,
+        )
+        yield from _histograms(
+            driver,
+            m,
+            tokenizer,
             "sglang:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            labels=tokenizer,
-        )
-        histogram = driver.ttft_histogram
-        ttft.add_metric(tokenizer_values, histogram.buckets(), histogram.sum)
-        yield ttft
-        yield _itl_family(
-            "sglang:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            labels=(tokenizer, tokenizer_values),
-            metrics=m,
-            bounds=driver.itl_buckets,
+            ("sglang:inter_token_latency_seconds", _ITL_HELP),
         )
 
 
