@@ -1,8 +1,11 @@
 """``inference-guard sim-backend``: serve the simulated vLLM or SGLang engine over HTTP.
 
-The server itself lives in :mod:`guard_trio.tools.sim_backend`; this module reads the flags into a
-:class:`SimBackendConfig`, serves until SIGINT or SIGTERM, and exits 2 on a bad flag, 1 when the
-server cannot start (e.g. the port is taken).
+Reads: its flags (one per field of :class:`SimBackendConfig`); SIGINT and SIGTERM.
+
+Guarantees: one line on stdout once the server listens (its URL, flavour and profile); it serves
+until the first signal and exits 0, exits 2 on a configuration the server refuses and 1 when the
+server cannot start (e.g. the port is taken), with the reason on stderr. The server itself is
+:mod:`guard_trio.tools.sim_backend`.
 """
 
 from __future__ import annotations

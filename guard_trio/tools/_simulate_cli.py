@@ -1,4 +1,14 @@
-"""``inference-guard simulate``: a request trace through the simulated engine under policies."""
+"""``inference-guard simulate``: a request trace through the simulated engine under policies.
+
+Reads: its flags, the trace file, and optionally an engine profile file; no environment, no
+network (``--set`` gives the guard's settings).
+
+Guarantees: the same trace, seed and settings give the same figures (virtual time, seeded
+tiers; only the CPU time each policy took varies); one table per policy, in the order asked,
+with a row per tier; ``--json`` writes the
+same summaries and what the run was, ``--plot`` one chart per figure. Exits 2 on bad settings
+or flags, 1 on an unreadable trace.
+"""
 
 from __future__ import annotations
 
