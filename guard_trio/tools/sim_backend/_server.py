@@ -79,7 +79,7 @@ class SimBackend:
                     f"cannot read {config.replay_sse}: {error.strerror or error}"
                 ) from None
         self._registry = metrics_registry(driver, config)
-        self._max_model_len = config.engine_profile().max_model_len
+        self._max_model_len = config.max_model_len  # the engine profile carries the same
 
     # -- what tests and the demo read --------------------------------------------------------------
 
