@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,24 +42,10 @@ from guard_adapters.policy_matrix import (
     run_cell,
 )
 from guard_adapters.simulation import simulate
+from guard_trio._cli_support import figure as _cell
+from guard_trio._cli_support import table as _table
 
 TRACE_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "traces"
-
-
-def _cell(value: float | None, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _table(rows: Sequence[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for row in rows:
-        cells = [
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
 
 
 def _policy_line(label: str, row: PolicyRow) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from guard_adapters.recording import (
 )
 from guard_core import GuardError
 from guard_trio import __version__
+from guard_trio._cli_support import add_command
 from guard_trio._http import fetch
 
 POLL_TIMEOUT_S = 2.0
@@ -29,8 +30,10 @@ MAX_PAGE_BYTES = 4 * 1024 * 1024
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "record",
+        handler=run,
         help="record backends' metrics pages into a recording (no proxy)",
         description="Poll one or more /metrics URLs and write what the learner reads to FILE.",
     )
@@ -45,7 +48,6 @@ def add_parser(subparsers: Any) -> None:
         "--duration", type=float, required=True, metavar="S", help="seconds to record"
     )
     parser.add_argument("--out", type=Path, required=True, help="output file (.jsonl or .jsonl.gz)")
-    parser.set_defaults(handler=run)
 
 
 async def _poll_one(

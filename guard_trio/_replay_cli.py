@@ -17,6 +17,7 @@ from guard_adapters.recording import (
     read_records,
 )
 from guard_adapters.replay import ReplayResult, replay, summarise
+from guard_trio._cli_support import write_table as _table
 
 
 def add_parser(subparsers: Any) -> None:
@@ -66,16 +67,6 @@ def _load(path: Path, *, strict: bool) -> tuple[Header | None, list[Record], lis
             else:
                 records.append(item)
     return header, records, errors
-
-
-def _table(rows: list[tuple[str, ...]], out: IO[str]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = [
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        out.write("  ".join(cells).rstrip() + "\n")
 
 
 def _print_summary(path: Path, summary: dict[str, Any], overrides: list[str], out: IO[str]) -> None:

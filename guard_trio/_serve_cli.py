@@ -15,6 +15,7 @@ import trio
 
 from guard_adapters.config import ConfigError, Settings, load_config
 from guard_trio import __version__
+from guard_trio._cli_support import add_command
 from guard_trio._recorder import Recorder
 from guard_trio._server import GuardServer
 
@@ -22,8 +23,10 @@ log = logging.getLogger("inference_guard")
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "serve",
+        handler=run,
         help="run the proxy (configured by environment variables, as PIG)",
         description="Run the QoS proxy. Every setting comes from PIG's environment variables.",
     )
@@ -32,7 +35,6 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="print the effective configuration (secrets redacted) and exit",
     )
-    parser.set_defaults(handler=run)
 
 
 def _describe(settings: Settings) -> str:

@@ -1,7 +1,8 @@
 """The ``inference-guard`` command line.
 
-Subcommands are added as they are built; running with no subcommand prints the ones available:
-``replay`` and ``record`` today (``serve``, ``sim-backend``, ``simulate`` and ``demo`` follow).
+Reads: the command line. ``serve``, ``replay`` and ``record`` come from ``guard_trio``;
+``sim-backend``, ``simulate`` and ``demo`` from :mod:`guard_trio.tools`, which the serving path
+never imports. Running with no subcommand prints the ones available and exits 2.
 """
 
 from __future__ import annotations
@@ -11,15 +12,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from guard_trio import (
-    __version__,
-    _demo_cli,
-    _record,
-    _replay_cli,
-    _serve_cli,
-    _sim_backend_cli,
-    _simulate_cli,
-)
+from guard_trio import __version__, _record, _replay_cli, _serve_cli
+from guard_trio.tools import _demo_cli, _sim_backend_cli, _simulate_cli
 
 
 def _parser() -> argparse.ArgumentParser:

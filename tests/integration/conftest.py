@@ -13,7 +13,7 @@ import trio
 
 from guard_adapters.config import load_config
 from guard_trio._server import GuardServer
-from guard_trio.sim_backend import SimBackend, SimBackendConfig
+from guard_trio.tools.sim_backend import SimBackend, SimBackendConfig
 
 
 @attrs.frozen

@@ -20,7 +20,7 @@ import trio
 from guard_adapters.sse import FirstUsefulEventScanner
 from guard_core import LimitReason, StateReason
 from guard_trio._proxy import TOO_MANY_REQUESTS_BODY
-from guard_trio.sim_backend import split_sse_events
+from guard_trio.tools.sim_backend import split_sse_events
 
 TOKEN = "s3cret"
 AUTH = [("Authorization", f"Bearer {TOKEN}")]

@@ -8,6 +8,7 @@ Timing assertions are loose: a clear change, never an exact figure.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ import trio
 from guard_adapters.engine_model import TTFT_BUCKETS
 from guard_adapters.metrics import parse_metrics
 from guard_core.observations import Flavour
-from guard_trio.sim_backend import (
+from guard_trio.tools.sim_backend import (
     SGLANG_ITL_BUCKETS,
     SGLANG_TTFT_BUCKETS,
     VLLM_ITL_BUCKETS,
@@ -61,6 +62,9 @@ Start = Callable[..., Awaitable[Sim]]
 @pytest.fixture
 async def start(nursery: trio.Nursery) -> AsyncIterator[Start]:
     async def _start(**changes: Any) -> Sim:
+        # The earlier tests' garbage (the OpenAI SDK's) is collected now: a full collection takes
+        # over 100 ms here and would otherwise land, by chance, inside a timed exchange.
+        gc.collect()
         backend = SimBackend(SimBackendConfig(port=0, **changes))
         host, port = await nursery.start(backend.serve)
         return Sim(backend, host, port)

@@ -6,8 +6,9 @@ environment, no file, no network beyond 127.0.0.1.
 Guarantees:
 
 - Everything runs in one trio process on 127.0.0.1 with ports chosen by the kernel (port 0): a
-  simulated vLLM (:class:`~guard_trio.sim_backend.SimBackend`, a calibrated two-GPU 32B profile
-  with ``max_num_seqs`` 48, whose per-user speed falls below 25 tok/s past about 20 streams),
+  simulated vLLM (:class:`~guard_trio.tools.sim_backend.SimBackend`, a calibrated two-GPU 32B
+  profile with ``max_num_seqs`` 48, whose per-user speed falls below 25 tok/s past about 20
+  streams),
   the guard in front of it (dynamic mode, polling ``/metrics`` every 500 ms) and a load
   generator of simulated users.
 - The load is a plan fixed by the seed: user ``i`` starts at a set time (ramping from light to
@@ -53,8 +54,9 @@ import trio
 
 from guard_adapters.config import load_config
 from guard_adapters.engine_model import PROFILES, idle_prefill_s
+from guard_trio._cli_support import add_command, figure, number, write_json, write_table
 from guard_trio._server import GuardServer
-from guard_trio.sim_backend import SimBackend, SimBackendConfig
+from guard_trio.tools.sim_backend import SimBackend, SimBackendConfig
 
 PROFILE = "2xa100-tp2-qwen2.5-32b"
 MAX_NUM_SEQS = 48
@@ -340,10 +342,6 @@ def _quantile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def _progress_line(phase: _Phase, backend: SimBackend, guard: GuardServer | None) -> str:
     now = trio.current_time()
     recent_speeds: list[float] = []
@@ -368,8 +366,8 @@ def _progress_line(phase: _Phase, backend: SimBackend, guard: GuardServer | None
     return (
         f"{phase.name:<9} {phase.elapsed():4.0f}s users {phase.plan.users_at(phase.elapsed()):>3}"
         f" | {guard_part} | backend run {metrics.running:>3} wait {metrics.waiting:>3}"
-        f" | user tok/s p50 {_fmt(_quantile(recent_speeds, 0.5)):>5}"
-        f" TTFT p95 {_fmt(_quantile(recent_ttfts, 0.95), 2):>5} s"
+        f" | user tok/s p50 {figure(_quantile(recent_speeds, 0.5)):>5}"
+        f" TTFT p95 {figure(_quantile(recent_ttfts, 0.95), 2):>5} s"
     )
 
 
@@ -483,18 +481,12 @@ def render_table(results: dict[str, dict[str, dict[str, Any]]], out: IO[str]) ->
                     str(f["served"]),
                     str(f["good"]),
                     str(f["rejected"]),
-                    _fmt(f["user_tps_p5"]),
-                    _fmt(f["user_tps_p50"]),
+                    figure(f["user_tps_p5"]),
+                    figure(f["user_tps_p50"]),
                     "-" if f["ttft_p95_s"] is None else f"{f['ttft_p95_s']:.2f} s",
                 )
             )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        cells = [
-            cell.ljust(w) if i < 2 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        out.write("  ".join(cells).rstrip() + "\n")
+    write_table(rows, out, left=2)
 
 
 def interpretation(results: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -506,10 +498,11 @@ def interpretation(results: dict[str, dict[str, dict[str, Any]]]) -> str:
         f" at least {GOOD_TPS:g} tok/s):"
         f" {predictive['good']} with the predictive learner, {pig['good']} with PIG's learner,"
         f" {unguarded['good']} unguarded. The slowest 5 % of streams ran at"
-        f" {_fmt(predictive['user_tps_p5'])} tok/s with the predictive learner,"
-        f" {_fmt(pig['user_tps_p5'])} with PIG's and {_fmt(unguarded['user_tps_p5'])} unguarded;"
-        f" TTFT p95 {_fmt(predictive['ttft_p95_s'], 2)} s, {_fmt(pig['ttft_p95_s'], 2)} s and"
-        f" {_fmt(unguarded['ttft_p95_s'], 2)} s. The guard answered the rest with a 429"
+        f" {figure(predictive['user_tps_p5'])} tok/s with the predictive learner,"
+        f" {figure(pig['user_tps_p5'])} with PIG's"
+        f" and {figure(unguarded['user_tps_p5'])} unguarded;"
+        f" TTFT p95 {figure(predictive['ttft_p95_s'], 2)} s, {figure(pig['ttft_p95_s'], 2)} s and"
+        f" {figure(unguarded['ttft_p95_s'], 2)} s. The guard answered the rest with a 429"
         f" (Retry-After) rather than slow everyone down."
     )
 
@@ -530,19 +523,14 @@ async def _demo(plan: DemoPlan, out: IO[str]) -> dict[str, dict[str, dict[str, A
     return results
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value >= 4):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 4, got {text!r}")
-    return value
+_seconds = number(lambda value: math.isfinite(value) and value >= 4, "a number of seconds >= 4")
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "demo",
+        handler=run,
         help="a 90-second demonstration: simulated backend, guard and load, no GPU needed",
         description=(
             "Starts a simulated vLLM and the guard on free loopback ports, drives a premium/basic"
@@ -552,12 +540,11 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     parser.add_argument(
-        "--duration", type=_positive, default=90.0, metavar="S", help="total seconds (90)"
+        "--duration", type=_seconds, default=90.0, metavar="S", help="total seconds (90)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the load plan (default 0)")
     parser.add_argument("--quick", action="store_true", help="about 45 s in all (for tests)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the final figures as JSON")
-    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
@@ -586,5 +573,5 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             "runtime_s": round(runtime, 2),
             "phases": results,
         }
-        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(args.json, document)
     return 0

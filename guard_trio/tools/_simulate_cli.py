@@ -1,4 +1,14 @@
-"""``inference-guard simulate``: a request trace through the simulated engine under policies."""
+"""``inference-guard simulate``: a request trace through the simulated engine under policies.
+
+Reads: its flags, the trace file, and optionally an engine profile file; no environment, no
+network (``--set`` gives the guard's settings).
+
+Guarantees: the same trace, seed and settings give the same figures (virtual time, seeded
+tiers; only the CPU time each policy took varies); one table per policy, in the order asked,
+with a row per tier; ``--json`` writes the
+same summaries and what the run was, ``--plot`` one chart per figure. Exits 2 on bad settings
+or flags, 1 on an unreadable trace.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ from guard_adapters.simulation import (
     validate_slowdowns,
 )
 from guard_adapters.traces import TraceError, head, premium_flags, read_trace, scale_rate
+from guard_trio._cli_support import add_command, figure, number, write_json, write_table
 
 #: The guard policy learns from metrics; a metrics URL is what turns learning on.
 #: ``DYNAMIC_POLICY=predictive`` makes the predictive learner's settings (``DYNAMIC_PREDICTIVE_*``)
@@ -50,24 +61,8 @@ def _policy_text(text: str) -> str:
     return text.strip().lower()
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
-    return value
+_positive = number(lambda value: math.isfinite(value) and value > 0, "a positive number")
+_share = number(lambda value: 0.0 <= value <= 1.0, "in [0, 1]")
 
 
 def _profile_file(text: str) -> tuple[Path, EngineProfile]:
@@ -105,8 +100,10 @@ def _slowdown(text: str) -> Slowdown:
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "simulate",
+        handler=run,
         help="run a request trace through the simulated engine under several policies",
         description=(
             "Closed loop in virtual time, no sockets: each request of a real trace (Azure CSV or"
@@ -193,21 +190,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--plot", type=Path, metavar="DIR", help="write PNG charts over time (needs matplotlib)"
     )
-    parser.set_defaults(handler=run)
-
-
-def _cell(value: float | None, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _table(rows: list[tuple[str, ...]], out: IO[str]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = [
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ]
-        out.write("  ".join(cells).rstrip() + "\n")
 
 
 def _print_result(result: SimulationResult, seconds: float, out: IO[str]) -> None:
@@ -240,16 +222,16 @@ def _print_result(result: SimulationResult, seconds: float, out: IO[str]) -> Non
                 str(s.requests),
                 str(s.admitted),
                 str(s.rejected),
-                _cell(s.user_tps_p5, 1),
-                _cell(s.user_tps_p50, 1),
-                _cell(s.ttft_p50_s, 2),
-                _cell(s.ttft_p95_s, 2),
-                _cell(s.ttft_p99_s, 2),
-                _cell(s.goodput_per_s, 2),
-                _cell(s.goodput_prompt_aware_per_s, 2),
+                figure(s.user_tps_p5, 1),
+                figure(s.user_tps_p50, 1),
+                figure(s.ttft_p50_s, 2),
+                figure(s.ttft_p95_s, 2),
+                figure(s.ttft_p99_s, 2),
+                figure(s.goodput_per_s, 2),
+                figure(s.goodput_prompt_aware_per_s, 2),
             )
         )
-    _table(rows, out)
+    write_table(rows, out)
     if result.limit_reasons:
         reasons = ", ".join(f"{reason} {n}" for reason, n in result.limit_reasons.items())
         out.write(f"cap set by (polls): {reasons}\n")
@@ -392,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
                 "settings": list(args.overrides),
             },
         }
-        args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, document)
     if pyplot is not None:
         for path in _plot(results, args.plot, pyplot):
             out.write(f"wrote {path}\n")

@@ -1,6 +1,11 @@
 """``inference-guard sim-backend``: serve the simulated vLLM or SGLang engine over HTTP.
 
-The server itself lives in :mod:`guard_trio.sim_backend`.
+Reads: its flags (one per field of :class:`SimBackendConfig`); SIGINT and SIGTERM.
+
+Guarantees: one line on stdout once the server listens (its URL, flavour and profile); it serves
+until the first signal and exits 0, exits 2 on a configuration the server refuses and 1 when the
+server cannot start (e.g. the port is taken), with the reason on stderr. The server itself is
+:mod:`guard_trio.tools.sim_backend`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Any
 import trio
 
 from guard_adapters.engine_model import DEFAULT_PROFILE, PROFILES
-from guard_trio.sim_backend import SimBackendConfig, SimBackendError, serve_sim_backend
+from guard_trio._cli_support import add_command
+from guard_trio.tools.sim_backend import SimBackendConfig, SimBackendError, serve_sim_backend
 
 
 def _slow_down(text: str) -> tuple[float, float]:
@@ -29,8 +35,10 @@ def _slow_down(text: str) -> tuple[float, float]:
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "sim-backend",
+        handler=run,
         help="serve a simulated vLLM or SGLang engine over HTTP",
         description=(
             "A simulated inference engine (continuous batching, KV cache, preemption, calibrated"
@@ -102,7 +110,6 @@ def add_parser(subparsers: Any) -> None:
         help="pause between replayed events (default 20)",
     )
     add("--keep-alive", type=float, default=5.0, metavar="SECONDS", help="idle keep-alive (5)")
-    parser.set_defaults(handler=run)
 
 
 def config_from_args(args: argparse.Namespace) -> SimBackendConfig:

@@ -1,0 +1,83 @@
+"""What the ``inference-guard`` subcommands share: their parser entries, argument types, tables.
+
+Reads: nothing but its arguments.
+
+Guarantees:
+
+- :func:`add_command` adds one subcommand with its help, description and handler (the
+  dispatcher in :mod:`guard_trio.cli` calls ``args.handler(args)``).
+- :func:`number` builds an argparse type for a float with a condition; a text that is no
+  number is refused with ``not a number: '<text>'``, a number outside the condition with
+  ``must be <requirement>, got '<text>'``.
+- :func:`table` lays rows out in columns two spaces apart, the first ``left`` columns
+  left-aligned and the rest right-aligned, no trailing blanks; :func:`figure` writes an
+  optional figure as ``-`` when there is none.
+- :func:`write_json` writes a document as indented JSON with a final newline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+
+def add_command(
+    subparsers: Any,
+    name: str,
+    *,
+    help: str,
+    description: str,
+    handler: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` that runs ``handler``; returns its parser for the arguments."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=help, description=description
+    )
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def number(ok: Callable[[float], bool], requirement: str) -> Callable[[str], float]:
+    """An argparse type: a float for which ``ok`` holds, else a message naming ``requirement``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
+        return value
+
+    return parse
+
+
+def figure(value: float | None, digits: int = 1) -> str:
+    """``value`` with ``digits`` decimals, or ``-`` when there is none."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(rows: Sequence[Sequence[str]], *, left: int = 1) -> str:
+    """The rows as aligned columns, one line each (no final newline)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.ljust(width) if i < left else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def write_table(rows: Sequence[Sequence[str]], out: IO[str], *, left: int = 1) -> None:
+    """:func:`table`, written to ``out`` with a final newline."""
+    out.write(table(rows, left=left) + "\n")
+
+
+def write_json(path: Path, document: object) -> None:
+    """``document`` as indented JSON (UTF-8) with a final newline."""
+    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
