@@ -1272,7 +1272,8 @@ def parse_args() -> argparse.Namespace:
 # nginx as a plain reverse proxy, tuned as one would in front of SSE: HTTP/1.1 and kept-alive
 # connections to the backend, no response buffering. One process (no master, no daemon) so that
 # its CPU and memory are those of one pid, pinned to the guard's core.
-NGINX_CONF = """\
+#: What both nginx configurations share: one process, its files in a scratch folder, no logs.
+_NGINX_COMMON = """\
 daemon off;
 master_process off;
 worker_processes 1;
@@ -1291,6 +1292,10 @@ http {
     scgi_temp_path %(dir)s/scgi;
     keepalive_requests 1000000;
     keepalive_timeout 300s;
+"""
+NGINX_CONF = (
+    _NGINX_COMMON
+    + """\
     upstream backend {
         server 127.0.0.1:%(backend_port)d;
         keepalive 1024;
@@ -1310,27 +1315,12 @@ http {
     }
 }
 """
+)
 
 #: nginx answering every request itself with the guard's 429 (the refusal flood's reference).
-NGINX_REFUSING_CONF = """\
-daemon off;
-master_process off;
-worker_processes 1;
-worker_rlimit_nofile 65536;
-pid %(dir)s/nginx.pid;
-error_log %(dir)s/error.log warn;
-events {
-    worker_connections 16384;
-}
-http {
-    access_log off;
-    client_body_temp_path %(dir)s/client_body;
-    proxy_temp_path %(dir)s/proxy;
-    fastcgi_temp_path %(dir)s/fastcgi;
-    uwsgi_temp_path %(dir)s/uwsgi;
-    scgi_temp_path %(dir)s/scgi;
-    keepalive_requests 1000000;
-    keepalive_timeout 300s;
+NGINX_REFUSING_CONF = (
+    _NGINX_COMMON
+    + """\
     server {
         listen 127.0.0.1:%(port)d backlog=4096;
         location / {
@@ -1341,6 +1331,7 @@ http {
     }
 }
 """
+)
 
 REFUSAL_BODY = (
     '{"error":{"message":"Too many requests","type":"TooManyRequestsError",'
@@ -1421,9 +1412,10 @@ class Setup:
             command[1:2] = ["-m", "cProfile", "-o", str(out), "-m"]
         return command
 
-    def through_guard(
-        self, mode: str, plan: Plan, backend: subprocess.Popen[Any], backend_port: int
-    ) -> Results:
+    @contextlib.contextmanager
+    def running_guard(self, mode: str, backend_port: int) -> Iterator[tuple[int, int]]:
+        """A guard in ``mode`` in front of the backend, pinned: (its port, its pid). On the way
+        out it is stopped with SIGTERM (it drains, then exits and writes its profile, if any)."""
         env = self.guard_env(mode, backend_port)
         with tempfile.TemporaryDirectory() as scratch:
             log = Path(scratch) / "guard.log"
@@ -1435,24 +1427,20 @@ class Setup:
             ):
                 if self.pinning:
                     self.guard_pinned = pin(guard.pid, self.guard_cores)
-                port = wait_for_port(log, guard)
-                pids = {"backend": backend.pid, "guard": guard.pid}
-                results = run_target(plan, port, backend_port, pids, self)
-                guard.terminate()  # drains, then exits (and writes its profile, if any)
+                yield wait_for_port(log, guard), guard.pid
+                guard.terminate()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     guard.wait(timeout=10)
-        return results
 
-    def through_nginx(
-        self, plan: Plan, backend: subprocess.Popen[Any], backend_port: int
-    ) -> Results:
+    @contextlib.contextmanager
+    def running_nginx(self, conf_text: str, **fields: object) -> Iterator[tuple[int, int]]:
+        """nginx with ``conf_text`` (``%`` fields: ``dir``, ``port`` and ``fields``), pinned to
+        the guard's core: (its port, its pid)."""
         assert self.nginx is not None
         with tempfile.TemporaryDirectory() as scratch:
             port = free_port()
             conf = Path(scratch) / "nginx.conf"
-            conf.write_text(
-                NGINX_CONF % {"dir": scratch, "port": port, "backend_port": backend_port}
-            )
+            conf.write_text(conf_text % {"dir": scratch, "port": port, **fields})
             log = Path(scratch) / "error.log"
             command = [self.nginx, "-p", scratch, "-c", str(conf), "-e", str(log)]
             cores = self.guard_cores if self.pinning else None
@@ -1460,8 +1448,23 @@ class Setup:
                 command, cores=cores, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
             ) as nginx:
                 wait_until_listening(port, nginx, 15, log)
-                pids = {"backend": backend.pid, "guard": nginx.pid}
-                return run_target(plan, port, backend_port, pids, self)
+                yield port, nginx.pid
+
+    def through_guard(
+        self, mode: str, plan: Plan, backend: subprocess.Popen[Any], backend_port: int
+    ) -> Results:
+        with self.running_guard(mode, backend_port) as (port, pid):
+            return run_target(
+                plan, port, backend_port, {"backend": backend.pid, "guard": pid}, self
+            )
+
+    def through_nginx(
+        self, plan: Plan, backend: subprocess.Popen[Any], backend_port: int
+    ) -> Results:
+        with self.running_nginx(NGINX_CONF, backend_port=backend_port) as (port, pid):
+            return run_target(
+                plan, port, backend_port, {"backend": backend.pid, "guard": pid}, self
+            )
 
     def backend_command(self) -> list[str]:
         command = [sys.executable, str(Path(__file__).resolve()), "--serve-backend"]
@@ -1518,41 +1521,12 @@ class Setup:
             measured["not_refused"] = measured["requests"] - measured["refused"]
             return measured
 
-        env = self.guard_env("guard refusing", backend_port)
         try:
-            with tempfile.TemporaryDirectory() as scratch:
-                log = Path(scratch) / "guard.log"
-                with (
-                    log.open("wb") as log_file,
-                    process(
-                        self.guard_command("guard refusing"),
-                        env=env,
-                        stdout=log_file,
-                        stderr=log_file,
-                    ) as guard,
-                ):
-                    if self.pinning:
-                        pin(guard.pid, self.guard_cores)
-                    port = wait_for_port(log, guard)
-                    refusals["guard refusing"] = {"flood": flood(port, {"guard": guard.pid})}
-                    guard.terminate()
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        guard.wait(timeout=10)
+            with self.running_guard("guard refusing", backend_port) as (port, pid):
+                refusals["guard refusing"] = {"flood": flood(port, {"guard": pid})}
             if self.nginx:
-                with tempfile.TemporaryDirectory() as scratch:
-                    port = free_port()
-                    conf = Path(scratch) / "nginx.conf"
-                    conf.write_text(
-                        NGINX_REFUSING_CONF % {"dir": scratch, "port": port, "body": REFUSAL_BODY}
-                    )
-                    log = Path(scratch) / "error.log"
-                    command = [self.nginx, "-p", scratch, "-c", str(conf), "-e", str(log)]
-                    cores = self.guard_cores if self.pinning else None
-                    with process(
-                        command, cores=cores, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-                    ) as nginx:
-                        wait_until_listening(port, nginx, 15, log)
-                        refusals["nginx refusing"] = {"flood": flood(port, {"guard": nginx.pid})}
+                with self.running_nginx(NGINX_REFUSING_CONF, body=REFUSAL_BODY) as (port, pid):
+                    refusals["nginx refusing"] = {"flood": flood(port, {"guard": pid})}
         except Exception as exc:  # a failed flood is a note, never the run
             self.notes.append(f"refusal flood: skipped, it failed: {str(exc)[:300]}")
         return refusals

@@ -41,9 +41,12 @@ __all__ = (
     "NOT_FOUND",
     "TOO_MANY_REQUESTS_BODY",
     "UNAUTHORIZED_JSON",
+    "ClientHead",
     "RefusalCounts",
     "Route",
     "Routes",
+    "chunked_passthrough",
+    "client_head",
     "content_length",
     "first_header",
     "header_values",
@@ -342,6 +345,62 @@ def upstream_headers(
     else:
         out.append((b"transfer-encoding", b"chunked"))
     return out
+
+
+@attrs.frozen
+class ClientHead:
+    """What the client is told of a backend's response head, and how its body is relayed."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    content_type: bytes
+    #: A 200 event stream: scanned for its first useful event, kept alive when quiet.
+    event_stream: bool
+    #: SSE comments go out while the backend is silent (then no Content-Length is passed on).
+    keepalive: bool
+    #: A 500 that may be the client's fault: read it whole and reclassify it (spec 7).
+    reclassify: bool
+
+
+def client_head(
+    status: int,
+    upstream: Headers,
+    *,
+    classify_errors: bool,
+    keepalive_allowed: bool,
+    reclassifiable: bool,
+) -> ClientHead:
+    """The client's head for a backend's ``status`` and headers: hop-by-hop headers dropped (and
+    Content-Length when the body is chunked, whose framing wins, RFC 9112 6.3), an event stream
+    marked for caches and buffering proxies; ``reclassifiable``: the error classifier's
+    candidate test (:func:`guard_core.upstream_errors.is_candidate`) said yes."""
+    drop = hop_by_hop(upstream)
+    if header_values(upstream, b"transfer-encoding"):
+        drop = drop | {b"content-length"}
+    headers = [(name, value) for name, value in upstream if name not in drop]
+    content_type = first_header(upstream, b"content-type") or b""
+    reclassify = classify_errors and reclassifiable
+    event_stream = not reclassify and status == 200 and b"text/event-stream" in content_type.lower()
+    keepalive = event_stream and keepalive_allowed
+    if event_stream:
+        headers = with_sse_defaults(headers)
+    if keepalive:
+        headers = without_length(headers)
+    return ClientHead(status, headers, content_type, event_stream, keepalive, reclassify)
+
+
+def chunked_passthrough(
+    upstream: Headers, *, status: int, method: bytes, client_version: bytes
+) -> bool:
+    """The response body can be copied chunk for chunk without h11 parsing it: chunked from the
+    backend, a body the client expects, and an HTTP/1.1 client (whose response h11 frames as
+    chunked too)."""
+    return (
+        is_chunked(upstream)
+        and method != b"HEAD"
+        and status not in (204, 304)
+        and client_version == b"1.1"
+    )
 
 
 # -- load and refusals -------------------------------------------------------------------------

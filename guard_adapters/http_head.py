@@ -1,7 +1,9 @@
 """A strict, fast reader of the simplest HTTP/1.1 request heads: the refusal path's parser.
 
-Reads: the bytes a client sent on an idle keep-alive connection.
+Reads: the bytes a client sent on an idle keep-alive connection; request heads h11 has read.
 Guarantees:
+- :func:`head_problem` says what a proxy must refuse in a head h11 accepts (limits, framing,
+  versions, non-origin targets, upgrades, underscore aliases of guarded headers);
 - :func:`read_simple_request` returns a :class:`SimpleRequest` only for a request that h11 (as
   the guard's :class:`~guard_trio._downstream.Downstream` configures and checks it) would accept
   as the very same request: the same method, target, lower-cased header names and stripped
@@ -20,14 +22,26 @@ Guarantees:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import attrs
 
-__all__ = ("MAX_HEADERS", "MAX_HEAD_BYTES", "SimpleRequest", "read_simple_request")
+__all__ = (
+    "MAX_HEADERS",
+    "MAX_HEAD_BYTES",
+    "MAX_REQUEST_HEADERS",
+    "MAX_REQUEST_HEAD_BYTES",
+    "SimpleRequest",
+    "head_problem",
+    "read_simple_request",
+)
 
 #: The fast reader's limits; a longer head goes to h11 (whose own limits are larger).
 MAX_HEAD_BYTES = 8 * 1024
 MAX_HEADERS = 64
+#: The limits of any request head the guard reads (431 past them).
+MAX_REQUEST_HEAD_BYTES = 16 * 1024
+MAX_REQUEST_HEADERS = 100
 
 _TOKEN = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
 #: What follows a header name as h11 reads it: colon, whitespace, the value, whitespace, CRLF.
@@ -74,6 +88,38 @@ class SimpleRequest:
     def values(self, name: bytes) -> list[bytes]:
         """Every value of header ``name`` (lower-case), in order."""
         return [value for key, value in self.headers if key == name]
+
+
+def head_problem(
+    method: bytes, target: bytes, http_version: bytes, headers: Sequence[tuple[bytes, bytes]]
+) -> tuple[int, str] | None:
+    """What is wrong with a request head h11 has read, for a proxy: (status, reason), or None.
+
+    Refused, besides h11's own rules: more than :data:`MAX_REQUEST_HEADERS` lines or
+    :data:`MAX_REQUEST_HEAD_BYTES` bytes (431); both Content-Length and Transfer-Encoding, an
+    HTTP version other than 1.0 and 1.1, Transfer-Encoding on HTTP/1.0, ``CONNECT`` or a target
+    that is not origin-form (the guard is no forward proxy: a target's own host never chooses
+    where a request goes), an ``Upgrade``, and an underscore alias of a header the guard
+    controls (``Content_Length``, ``X_PIG_Tier``), all 400."""
+    if len(headers) > MAX_REQUEST_HEADERS:
+        return 431, "too many header lines"
+    line = len(method) + len(target) + 12
+    if line + sum(len(name) + len(value) + 4 for name, value in headers) > MAX_REQUEST_HEAD_BYTES:
+        return 431, "request head too large"
+    names = {name for name, _ in headers}
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return 400, "both Content-Length and Transfer-Encoding"
+    if http_version not in (b"1.0", b"1.1"):
+        return 400, "unsupported HTTP version"
+    if http_version == b"1.0" and b"transfer-encoding" in names:
+        return 400, "Transfer-Encoding on HTTP/1.0"
+    if method == b"CONNECT" or not target.startswith(b"/"):
+        return 400, "request target is not origin-form"
+    if b"upgrade" in names:
+        return 400, "protocol upgrades are not proxied"
+    if any(b"_" in name and _sensitive_alias(name) for name in names):
+        return 400, "underscore alias of a header the guard controls"
+    return None
 
 
 def _sensitive_alias(name: bytes) -> bool:

@@ -35,7 +35,13 @@ import attrs
 import h11
 import trio
 
-from guard_adapters.http_head import SimpleRequest, read_simple_request
+from guard_adapters.http_head import (
+    MAX_REQUEST_HEAD_BYTES,
+    MAX_REQUEST_HEADERS,
+    SimpleRequest,
+    head_problem,
+    read_simple_request,
+)
 from guard_core import GuardError
 
 __all__ = (
@@ -50,8 +56,8 @@ __all__ = (
     "ResponseAborted",
 )
 
-MAX_HEADER_BYTES = 16 * 1024
-MAX_HEADERS = 100
+MAX_HEADER_BYTES = MAX_REQUEST_HEAD_BYTES
+MAX_HEADERS = MAX_REQUEST_HEADERS
 _READ_SIZE = 65536
 #: An unwanted body at most this long (declared) is read and dropped, keeping the connection;
 #: a longer, chunked or ``100-continue`` one is left unread and the connection closes instead.
@@ -163,28 +169,9 @@ class Downstream:
             return None
         if not isinstance(event, h11.Request):  # pragma: no cover - h11 guarantees the order
             raise RefusedRequest(400, "unexpected event")
-        headers = event.headers
-        if len(headers) > MAX_HEADERS:
-            raise RefusedRequest(431, "too many header lines")
-        line = len(event.method) + len(event.target) + 12
-        if line + sum(len(name) + len(value) + 4 for name, value in headers) > MAX_HEADER_BYTES:
-            raise RefusedRequest(431, "request head too large")
-        names = {name for name, _ in headers}
-        if b"content-length" in names and b"transfer-encoding" in names:
-            raise RefusedRequest(400, "both Content-Length and Transfer-Encoding")
-        if event.http_version not in (b"1.0", b"1.1"):
-            raise RefusedRequest(400, "unsupported HTTP version")
-        if event.http_version == b"1.0" and b"transfer-encoding" in names:
-            raise RefusedRequest(400, "Transfer-Encoding on HTTP/1.0")
-        if event.method == b"CONNECT" or not event.target.startswith(b"/"):
-            # Absolute-form, authority-form and asterisk-form: the guard is no forward proxy,
-            # and a target's own host must never choose where a request goes.
-            raise RefusedRequest(400, "request target is not origin-form")
-        if b"upgrade" in names:
-            raise RefusedRequest(400, "protocol upgrades are not proxied")
-        for name in names:
-            if b"_" in name and _is_sensitive(name.replace(b"_", b"-")):
-                raise RefusedRequest(400, "underscore alias of a header the guard controls")
+        problem = head_problem(event.method, event.target, event.http_version, event.headers)
+        if problem is not None:
+            raise RefusedRequest(*problem)
         return event
 
     async def next_simple(self) -> SimpleRequest | None:
@@ -483,26 +470,3 @@ def _reason(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode()
     except ValueError:
         return b""
-
-
-#: Headers whose meaning the guard controls: a backend that folds ``_`` into ``-`` (CGI-style
-#: servers) must never find a client's copy of one under an underscore alias.
-_SENSITIVE = frozenset(
-    {
-        b"content-length",
-        b"transfer-encoding",
-        b"host",
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"x-forwarded-for",
-        b"x-user-tier",
-    }
-)
-
-
-def _is_sensitive(name: bytes) -> bool:
-    return name in _SENSITIVE or name.startswith(b"x-pig-")

@@ -29,15 +29,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
+import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from guard_adapters.config import Settings
+from guard_adapters.config import Backend, Settings
+from guard_core import GuardError
 from guard_core.evaluation import BackendPoll
 from guard_core.guard import GuardState
 from guard_core.lanes import Lane
 from guard_core.predictive import Binding
 from guard_core.tier import Tier
+from guard_trio._http import fetch
 from guard_trio._metrics_dynamic_rows import DYNAMIC_ROWS, PREDICTIVE_ROWS
 from guard_trio._metrics_instruments import (
     BODY_BUCKETS_BYTES,
@@ -220,3 +223,34 @@ class GuardMetrics:
     def families(self) -> list[Metric]:
         """Every family of one scrape, in table order (:data:`SECTIONS`)."""
         return list(render(SECTIONS, Scrape(self)))
+
+
+_BACKEND_PAGE_LIMIT = 16 * 1024 * 1024
+
+
+async def backend_pages(local: bytes, backends: Sequence[Backend]) -> bytes:
+    """``/v1/metrics``: the guard's own page, then each backend's (fetched now, 2 s each)."""
+    parts = [local, b"\n# --- Backend Metrics ---\n"]
+    fetched = 0
+    for backend in backends:
+        if not backend.metrics_url:
+            parts.append(f"# backend {backend.name} metrics URL is empty\n".encode())
+            continue
+        parts.append(f"\n# --- backend {backend.name} {backend.metrics_url} ---\n".encode())
+        try:
+            response = await fetch(
+                backend.metrics_url, timeout_s=2.0, max_bytes=_BACKEND_PAGE_LIMIT
+            )
+        except (trio.TooSlowError, GuardError) as exc:
+            reason = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
+            parts.append(f"# failed to fetch backend metrics: {reason}\n".encode())
+            continue
+        if response.status != 200:
+            parts.append(f"# backend metrics status {response.status}\n".encode())
+            continue
+        fetched += 1
+        body = response.body
+        parts.append(body if body.endswith(b"\n") else body + b"\n")
+    if fetched == 0:
+        parts.append(b"# no backend metrics were fetched\n")
+    return b"".join(parts)

@@ -29,6 +29,7 @@ import h11
 import trio
 
 from guard_adapters.config import Settings
+from guard_adapters.exchange import openai_error
 from guard_adapters.status_line import runtime_counts, startup_line, status_line
 from guard_trio import __version__
 from guard_trio._downstream import (
@@ -42,7 +43,7 @@ from guard_trio._downstream import (
 from guard_trio._engine import Attempt, GuardEngine, RequestListener
 from guard_trio._observability import CONTENT_TYPE, GuardMetrics
 from guard_trio._poller import MetricsSource, Poller, PollReport
-from guard_trio._proxy import ProxyApp, openai_error
+from guard_trio._proxy import ProxyApp
 from guard_trio._upstream import UpstreamPool
 
 __all__ = ("GuardServer",)

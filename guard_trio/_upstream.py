@@ -11,11 +11,13 @@ Guarantees:
 - the response head is always parsed by h11; the body can then be read through h11 (``Data``
   events) or, for the relay's fast path, as raw bytes (``receive_raw``), after which
   ``finish_raw_body`` puts h11 back in step;
-- nothing here parses body contents.
+- nothing here parses body contents;
+- :class:`IdleGuard` ends a body copy that made no progress for its idle budget.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 import ssl
@@ -29,9 +31,16 @@ import h11
 import trio
 
 from guard_core import GuardError
-from guard_trio._downstream import receive_fast, send_fast, stdlib_socket
+from guard_trio._downstream import ResponseAborted, receive_fast, send_fast, stdlib_socket
 
-__all__ = ("UpstreamConnection", "UpstreamError", "UpstreamPool", "UpstreamTarget")
+__all__ = (
+    "IdleGuard",
+    "UpstreamConnection",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamTarget",
+    "budget",
+)
 
 _READ_SIZE = 65536
 #: The end of a response head, as h11 finds it (it accepts bare LF line endings).
@@ -183,6 +192,18 @@ class UpstreamConnection:
         except h11.RemoteProtocolError as exc:
             raise UpstreamError(f"bad response from {self.target.name}: {exc}") from None
 
+    def drain_buffered(self, data: bytes) -> tuple[bytes, bool]:
+        """``data`` joined to the body bytes h11 already holds; True if the body ended too."""
+        parts = [data]
+        while True:
+            event = self.h11.next_event()
+            if isinstance(event, h11.Data):
+                parts.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                return b"".join(parts), True
+            else:  # NEED_DATA: nothing more buffered
+                return b"".join(parts), False
+
     async def next_event(self) -> h11.Event:
         """The next response event; raises UpstreamError if the backend breaks the exchange."""
         if self.unparsed:
@@ -332,3 +353,46 @@ class UpstreamPool:
         for idle in self._idle.values():
             while idle:
                 await idle.pop().aclose()
+
+
+def budget(seconds: float) -> float:
+    """A timeout setting in seconds, 0 meaning none."""
+    return float(seconds) if seconds > 0 else math.inf
+
+
+class IdleGuard:
+    """Cancels a body copy when neither side made progress for ``idle_s`` seconds.
+
+    One cancel scope per copy whose deadline moves forward at most twice a second, so the cost
+    per relayed event is one clock read. When it fires the copy ends with
+    :class:`ResponseAborted`: both connections are closed.
+    """
+
+    __slots__ = ("_armed_at", "_idle_s", "_scope", "_step_s")
+
+    def __init__(self, idle_s: float) -> None:
+        self._idle_s = idle_s
+        #: The deadline moves at most once per step; it may fire up to one step late, never
+        #: early (5 % of the budget, at most half a second).
+        self._step_s = min(0.5, idle_s / 20)
+        self._armed_at = 0.0
+        self._scope = trio.CancelScope()
+
+    def __enter__(self) -> IdleGuard:
+        now = trio.current_time()
+        self._armed_at = now
+        self._scope.deadline = now + self._idle_s + self._step_s
+        self._scope.__enter__()
+        return self
+
+    def progress(self) -> None:
+        now = trio.current_time()
+        if now - self._armed_at > self._step_s:
+            self._armed_at = now
+            self._scope.deadline = now + self._idle_s + self._step_s
+
+    def __exit__(self, *exc_info: object) -> bool:
+        suppressed = self._scope.__exit__(*exc_info)  # type: ignore[arg-type]
+        if self._scope.cancelled_caught:
+            raise ResponseAborted("no progress on the response within the idle timeout")
+        return bool(suppressed)

@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from guard_trio import _proxy
+from guard_trio import _proxy, _relay
 from guard_trio._downstream import stdlib_socket
 
 STREAM_BODY = b'{"model":"m","stream":true,"max_tokens":12,"messages":[]}'
@@ -38,7 +38,7 @@ async def test_a_chunked_stream_takes_the_fast_path_and_pools_the_backend_connec
     start_sim: Any, start_guard: Any, http: Any, monkeypatch: Any
 ) -> None:
     calls = {"chunked": 0, "h11": 0}
-    chunked, copy = _proxy.ProxyApp.copy_chunked, _proxy.ProxyApp.copy_body
+    chunked, copy = _relay.Relay.copy_chunked, _relay.Relay.copy_body
 
     async def counting_chunked(self: Any, *args: Any, **kwargs: Any) -> None:
         calls["chunked"] += 1
@@ -48,8 +48,8 @@ async def test_a_chunked_stream_takes_the_fast_path_and_pools_the_backend_connec
         calls["h11"] += 1
         await copy(self, *args, **kwargs)
 
-    monkeypatch.setattr(_proxy.ProxyApp, "copy_chunked", counting_chunked)
-    monkeypatch.setattr(_proxy.ProxyApp, "copy_body", counting_copy)
+    monkeypatch.setattr(_relay.Relay, "copy_chunked", counting_chunked)
+    monkeypatch.setattr(_relay.Relay, "copy_body", counting_copy)
     backend, _sim = await start_sim(seed=3)
     base, server = await start_guard({"UPSTREAM": backend}, poll=False)
     headers = [("Content-Type", "application/json")]

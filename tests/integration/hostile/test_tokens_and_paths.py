@@ -143,7 +143,7 @@ async def test_t35_every_wrong_token_gets_the_same_401(
         {"UPSTREAM": sim, "TOKEN": TOKEN, "DYNAMIC_PIG_ENABLED": "false"}
     )
     server.app.attestation = _Report()
-    assert server.app.api_auth_enabled
+    assert server.app.routes.api_auth
     routes = [
         (b"GET", b"/pig/metrics", b""),
         (b"GET", b"/v1/metrics", b""),

@@ -1,0 +1,573 @@
+"""Forwarding: one admitted or plain request to a backend, and its response back to the client.
+
+Reads: the request head and body the proxy hands over, the backends' responses, the guard
+engine's published state (backend choice, low load); time from trio.
+Guarantees:
+- a request goes to the backend the core's backend choice scores best, with the headers
+  :func:`guard_adapters.exchange.upstream_headers` builds; a kept-alive backend connection
+  that fails before the request was fully written is tried once more on a fresh one when the
+  request can be sent again (its body is held, or it is idempotent);
+- exactly one response per request, or none when the client already left: a backend that fails
+  before the response head gets the client PIG's 429, one silent past
+  ``PIG_UPSTREAM_HEAD_TIMEOUT_SECONDS`` a 504, one that stalls mid-body past
+  ``PIG_UPSTREAM_IDLE_TIMEOUT_SECONDS`` has both connections closed;
+- a chunked response to an HTTP/1.1 client is copied without h11 parsing its body
+  (:class:`~guard_adapters.chunked.ChunkedBodyReader` checks the framing), scanned for the first
+  useful SSE event only until it is found; every other body goes through h11;
+- an upstream 500 the client caused is rewritten to 400/422 (spec 7) when enabled; the early
+  bridge (spec 8.4) and SSE keep-alive run only under low load; in-flight counts per backend
+  are core state, told on every path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import h11
+import trio
+
+from guard_adapters._errors import BodyRewriteError
+from guard_adapters.chunked import ChunkedBodyReader, ChunkedFramingError, frame
+from guard_adapters.exchange import (
+    GATEWAY_TIMEOUT_BODY,
+    chunked_passthrough,
+    client_head,
+    content_length,
+    first_header,
+    low_load,
+    upstream_headers,
+    without_length,
+)
+from guard_adapters.openai_body import StreamingRewriter
+from guard_adapters.sse import FirstUsefulEventScanner, is_streaming_request
+from guard_core import Lane, Tier
+from guard_core.backend_choice import backend_views, choose_backend
+from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
+from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
+from guard_trio._engine import Slot
+from guard_trio._observability import BackendMetrics
+from guard_trio._upstream import (
+    IdleGuard,
+    UpstreamConnection,
+    UpstreamError,
+    UpstreamTarget,
+    budget,
+)
+
+if TYPE_CHECKING:
+    from guard_trio._proxy import ProxyApp
+
+__all__ = ("BRIDGE_GRACE_S", "KEEPALIVE_AFTER_S", "KEEPALIVE_COMMENT", "Relay")
+
+_JSON = (b"content-type", b"application/json")
+#: ``SSE_KEEPALIVE_ENABLED``: the comment sent after this long without upstream data.
+KEEPALIVE_AFTER_S = 2.0
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+#: ``SSE_EARLY_BRIDGE_ENABLED``: how long a streamed request waits for the backend's head before
+#: the client gets its 200 stream anyway.
+BRIDGE_GRACE_S = 0.5
+_BRIDGE_SAFE_BODY = 524_288
+_BRIDGE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
+
+
+class Relay:
+    """The forwarding half of the proxy, shared by all connections (see the module rules)."""
+
+    def __init__(self, app: ProxyApp) -> None:
+        self.app = app
+        self.settings = settings = app.settings
+        self.metrics = app.metrics
+        self.engine = app.engine
+        self.pool = app.pool
+        env = settings.env
+        self.targets = tuple(UpstreamTarget.from_url(b.name, b.upstream) for b in settings.backends)
+        self.backend_metrics = tuple(self.metrics.backends[t.name] for t in self.targets)
+        self.target_names = tuple(t.name for t in self.targets)
+        self.proxy_timeout_s = float(env.proxy_timeout_seconds)
+        self.classify_errors: bool = env.upstream_error_classification_enabled
+        self.sse_keepalive: bool = env.sse_keepalive_enabled
+        self.sse_early_bridge: bool = env.sse_early_bridge_enabled
+        self.upstream_head_timeout_s = budget(env.pig_upstream_head_timeout_seconds)
+        self.upstream_idle_timeout_s = budget(env.pig_upstream_idle_timeout_seconds)
+
+    def low_load(self) -> bool:
+        """PIG's gate for SSE keep-alive and the early bridge: quiet backend, empty queue."""
+        return low_load(self.engine.state.gate, dynamic=self.settings.dynamic_enabled)
+
+    def pick_backend(self) -> int:
+        if len(self.targets) == 1:
+            return 0
+        state = self.engine.state
+        policy = state.config.policy
+        chosen = choose_backend(
+            backend_views(self.target_names, state.published, state.traffic),
+            now=self.engine.seconds_since_start(),
+            poll_interval_s=self.settings.env.dynamic_poll_interval_ms / 1000,
+            dynamic=self.settings.dynamic_enabled,
+            capacity_ratio=policy.capacity_ratio,
+            target_user_tps=policy.user_tps_yellow,
+        )
+        return chosen or 0
+
+    async def forward(
+        self,
+        down: Downstream,
+        request: h11.Request,
+        headers: list[tuple[bytes, bytes]],
+        *,
+        slot: Slot | None,
+        tier: Tier | None,
+        lane: Lane = Lane.DEFAULT,
+        body: list[bytes] | None = None,
+        rewriter: StreamingRewriter | None = None,
+        output_tokens: int | None = None,
+    ) -> int:
+        """Forward one request and relay the response; returns the status the client got."""
+        proxy_started = trio.current_time()
+        index = self.pick_backend()
+        target = self.targets[index]
+        body_length = sum(len(c) for c in body) if body is not None else content_length(headers)
+        if rewriter is not None:
+            body_length = None  # the rewritten body goes upstream chunked
+        upstream_request = h11.Request(
+            method=request.method,
+            target=target.base_path.encode() + request.target,
+            headers=upstream_headers(
+                headers,
+                authority=target.authority.encode(),
+                backend=target.name.encode(),
+                peer=down.peer.encode(),
+                tier=tier,
+                lane=lane,
+                body_length=body_length,
+                output_tokens=output_tokens,
+            ),
+        )
+        backend = self.backend_metrics[index]
+        self.engine.forwarded(target.name)
+        backend.accepted.inc()
+        status = 0
+        bridge = (
+            self.sse_early_bridge
+            and slot is not None
+            and body is not None
+            and body_length is not None
+            and body_length < _BRIDGE_SAFE_BODY
+            and is_streaming_request(first_header(headers, b"accept"), b"".join(body))
+            and self.low_load()
+        )
+        # A request whose body we hold (or that has none) can be sent again when a kept-alive
+        # connection fails before the request was fully written. Once it was written, only an
+        # idempotent one is: a POST the backend may have started must not generate twice.
+        replayable = body is not None or body_length == 0
+        idempotent = request.method in _IDEMPOTENT
+        try:
+            with trio.move_on_after(self.proxy_timeout_s) as deadline:
+                for attempt in range(2):
+                    reused = written = False
+                    try:
+                        async with self.pool.connection(target, fresh=attempt > 0) as up:
+                            reused = up.reused
+                            await up.send(upstream_request)
+                            await self.send_body(down, up, body, rewriter)
+                            written = True
+                            status = await self.relay_response(
+                                down, up, slot, proxy_started, method=request.method, bridge=bridge
+                            )
+                        break
+                    except UpstreamError:
+                        if (
+                            attempt == 0
+                            and reused
+                            and replayable
+                            and (idempotent or not written)
+                            and down.can_respond
+                        ):
+                            continue
+                        return await self.upstream_failed(down, backend)
+            if deadline.cancelled_caught:
+                if down.can_respond:
+                    await self.app.discard_remaining(down)
+                    await self.app.too_many_requests(down)
+                    return 429
+                raise ResponseAborted("PROXY_TIMEOUT_SECONDS reached mid-response")
+        except ClientGone:
+            phase = self.metrics.disconnect_response if status else self.metrics.disconnect_upstream
+            phase.inc()
+            self.metrics.client_disconnect_upstream_cancellations.inc()
+            raise
+        finally:
+            self.engine.finished(target.name)
+            backend.completed.inc()
+            self.metrics.proxy_total_duration.observe(trio.current_time() - proxy_started)
+        return status
+
+    async def send_body(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        body: list[bytes] | None,
+        rewriter: StreamingRewriter | None = None,
+    ) -> None:
+        """The request body upstream: the buffered chunks, or streamed as the client sends it
+        (through the streaming priority rewriter when there is one)."""
+        if body is not None:
+            for chunk in body:
+                await up.send(h11.Data(data=chunk))
+            await up.send(h11.EndOfMessage())
+            return
+        try:
+            while True:
+                event = await down.body_event()
+                if isinstance(event, h11.Data):
+                    data = bytes(event.data) if rewriter is None else rewriter.feed(event.data)
+                    if data:
+                        await up.send(h11.Data(data=data))
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+                else:
+                    raise ClientGone("client closed while sending its body")
+            if rewriter is not None:
+                tail = rewriter.finish()
+                if tail:
+                    await up.send(h11.Data(data=tail))
+        except BodyRewriteError as exc:
+            # PIG surfaces a failed streaming rewrite as a broken request body: an upstream error.
+            self.app.count_priority("failed")
+            raise UpstreamError(f"request body rewrite failed: {exc}") from None
+        if rewriter is not None:
+            self.app.count_priority("rewritten")
+        await up.send(h11.EndOfMessage())
+
+    async def upstream_failed(self, down: Downstream, backend: BackendMetrics) -> int:
+        """The backend failed: a 429 if the client has seen nothing yet, else cut the response."""
+        self.metrics.proxy_upstream_errors.inc()
+        backend.proxy_errors.inc()
+        if down.can_respond:
+            await self.app.discard_remaining(down)
+            await self.app.too_many_requests(down)
+            return 429
+        self.metrics.proxy_body_copy_errors.inc()
+        backend.body_copy_errors.inc()
+        raise ResponseAborted("upstream broke mid-response")
+
+    async def relay_response(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        slot: Slot | None,
+        started: float,
+        *,
+        method: bytes = b"POST",
+        bridge: bool = False,
+    ) -> int:
+        """Copy the upstream response to the client; returns the status sent.
+
+        With ``bridge`` (spec 8.4), a backend that has not answered its head within
+        :data:`BRIDGE_GRACE_S` gets the client a 200 event stream at once. A backend silent for
+        ``PIG_UPSTREAM_HEAD_TIMEOUT_SECONDS`` before its head gets the client a 504; one that
+        makes no progress for ``PIG_UPSTREAM_IDLE_TIMEOUT_SECONDS`` mid-body has both
+        connections closed.
+        """
+        head_deadline = started + self.upstream_head_timeout_s
+        event: h11.Response | None = None
+        if bridge:
+            with trio.move_on_after(BRIDGE_GRACE_S):
+                event = await up.read_head()
+            if event is None:
+                return await self.relay_bridged(
+                    down, up, slot, started, head_deadline, method=method
+                )
+        if event is None:
+            with trio.move_on_at(head_deadline):
+                event = await up.read_head()
+            if event is None:
+                return await self.head_timed_out(down)
+        received = list(event.headers)
+        status = event.status_code
+        plan = client_head(
+            status,
+            received,
+            classify_errors=self.classify_errors,
+            keepalive_allowed=self.sse_keepalive and self.low_load(),
+            reclassifiable=is_candidate(
+                status,
+                first_header(received, b"content-type") or b"",
+                content_length(received),
+            ),
+        )
+        headers = plan.headers
+        if plan.reclassify:
+            return await self.relay_error(
+                down, up, event, headers=headers, content_type=plan.content_type, started=started
+            )
+        scanner = FirstUsefulEventScanner() if slot is not None and plan.event_stream else None
+        keepalive = plan.keepalive
+        if keepalive:
+            self.metrics.sse_keepalive_streams.inc()
+        head = h11.Response(status_code=status, headers=headers, reason=event.reason)
+        self.metrics.proxy_ttfb.observe(trio.current_time() - started)
+        await self.relay_body(
+            down, up, event, head, method=method, scanner=scanner, slot=slot, keepalive=keepalive
+        )
+        return status
+
+    async def relay_body(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        upstream: h11.Response,
+        head: h11.Response | None,
+        *,
+        method: bytes,
+        scanner: FirstUsefulEventScanner | None,
+        slot: Slot | None,
+        keepalive: bool = False,
+    ) -> None:
+        """The response body after ``upstream``'s head, with ``head`` first (None when the client
+        already has its head), under the idle timeout: through the chunked fast path when both
+        sides frame the body as chunks, through h11 otherwise."""
+        fast = chunked_passthrough(
+            upstream.headers,
+            status=upstream.status_code,
+            method=method,
+            client_version=down.h11.their_http_version or b"",
+        )
+        with IdleGuard(self.upstream_idle_timeout_s) as guard:
+            if fast:
+                await self.copy_chunked(
+                    down, up, head, scanner=scanner, slot=slot, keepalive=keepalive, guard=guard
+                )
+            elif head is None or await self.send_head(down, up, head, scanner=scanner, slot=slot):
+                await self.copy_body(
+                    down, up, scanner=scanner, slot=slot, keepalive=keepalive, guard=guard
+                )
+
+    async def head_timed_out(self, down: Downstream) -> int:
+        """The backend sent no response head within its budget: 504, the connection closed."""
+        self.metrics.proxy_upstream_errors.inc()
+        if not down.can_respond:
+            raise ResponseAborted("no response head from the backend in time")
+        await self.app.discard_remaining(down)
+        await down.respond(504, [_JSON, (b"connection", b"close")], GATEWAY_TIMEOUT_BODY)
+        down.gone = True  # the exchange is abandoned mid-way: close the connection
+        return 504
+
+    async def send_head(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        head: h11.Response,
+        *,
+        scanner: FirstUsefulEventScanner | None,
+        slot: Slot | None,
+    ) -> bool:
+        """Send the head together with any body bytes already read; False if the body ended."""
+        first = up.buffered_event()
+        if isinstance(first, h11.Data):
+            await down.send(head, h11.Data(data=first.data))
+            if scanner is not None and scanner.feed(bytes(first.data)) and slot is not None:
+                slot.first_token()
+            return True
+        if isinstance(first, h11.EndOfMessage):
+            await down.send(head, h11.EndOfMessage())
+            return False
+        await down.send(head)
+        return True
+
+    async def relay_bridged(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        slot: Slot | None,
+        started: float,
+        head_deadline: float,
+        *,
+        method: bytes,
+    ) -> int:
+        """The early bridge: a 200 stream with a comment now, the backend events once it answers."""
+        metrics = self.metrics
+        metrics.sse_bridge_streams.inc()
+        metrics.sse_keepalive_streams.inc()
+        metrics.sse_keepalive_comments.inc()
+        metrics.proxy_ttfb.observe(trio.current_time() - started)
+        head = h11.Response(status_code=200, headers=_BRIDGE_HEADERS, reason=b"OK")
+        await down.send(head, h11.Data(data=KEEPALIVE_COMMENT))
+        event: h11.Response | None = None
+        try:
+            with trio.move_on_at(head_deadline):
+                event = await up.read_head()
+            if event is None:
+                self.metrics.proxy_upstream_errors.inc()
+                raise ResponseAborted("no response head from the backend in time")
+            content_type = next((v for k, v in event.headers if k == b"content-type"), b"")
+            if event.status_code != 200 or b"text/event-stream" not in content_type.lower():
+                metrics.sse_bridge_invalid_upstream.inc()
+                while not isinstance(await up.next_event(), h11.EndOfMessage):
+                    pass  # the body is discarded; the client gets an empty stream
+                await down.send(h11.EndOfMessage())
+                return 200
+        except UpstreamError:
+            metrics.sse_bridge_upstream_errors.inc()
+            await down.send(h11.EndOfMessage())
+            return 200
+        await self.relay_body(
+            down, up, event, None, method=method, scanner=FirstUsefulEventScanner(), slot=slot
+        )
+        return 200
+
+    async def relay_error(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        event: h11.Response,
+        *,
+        headers: list[tuple[bytes, bytes]],
+        content_type: bytes,
+        started: float,
+    ) -> int:
+        """A 500 that may be the client's fault: read up to 64 KiB and rewrite it if so."""
+        status = event.status_code
+        chunks: list[bytes] = []
+        size = 0
+        complete = False
+        while size <= BODY_LIMIT:
+            part = await up.next_event()
+            if isinstance(part, h11.Data):
+                chunks.append(bytes(part.data))
+                size += len(part.data)
+            elif isinstance(part, h11.EndOfMessage):
+                complete = True
+                break
+        self.metrics.proxy_ttfb.observe(trio.current_time() - started)
+        if complete:
+            body = b"".join(chunks)
+            rewritten = reclassify(status, content_type, body)
+            if rewritten is not None:
+                await down.respond(rewritten.status, without_length(headers), rewritten.body)
+                return rewritten.status
+            await down.respond(status, without_length(headers), body)
+            return status
+        # Longer than 64 KiB: pass it through untouched, the part already read first.
+        await down.send(
+            h11.Response(status_code=status, headers=headers, reason=event.reason),
+            h11.Data(data=b"".join(chunks)),
+        )
+        with IdleGuard(self.upstream_idle_timeout_s) as guard:
+            await self.copy_body(down, up, scanner=None, slot=None, guard=guard)
+        return status
+
+    async def copy_chunked(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        head: h11.Response | None,
+        *,
+        scanner: FirstUsefulEventScanner | None,
+        slot: Slot | None,
+        guard: IdleGuard,
+        keepalive: bool = False,
+    ) -> None:
+        """The fast path for a chunked upstream body to an HTTP/1.1 client (whose response h11
+        frames as chunked too): h11 parses neither side's body. Each upstream read is checked
+        by :class:`ChunkedBodyReader` and forwarded in one write, unchanged when it is whole
+        chunks (re-framed as one chunk otherwise); the SSE scanner sees the payload only until
+        the first useful event. ``head`` (None when already sent) goes out with the first bytes.
+        """
+        reader = ChunkedBodyReader()
+        pending_head = head
+        out = b""
+        data = await up.receive_raw() if up.unparsed else b""
+        while True:
+            if data:
+                try:
+                    piece = reader.feed(data, want_payload=scanner is not None)
+                except ChunkedFramingError as exc:
+                    raise UpstreamError(f"{up.target.name}: {exc}") from None
+                if piece.passthrough is not None:
+                    out = out + piece.passthrough if out else piece.passthrough
+                elif piece.payload:
+                    out += frame(piece.payload)
+                if scanner is not None and piece.payload:
+                    if scanner.feed(piece.payload) and slot is not None:
+                        slot.first_token()
+                    if scanner.done or scanner.limit_reached:
+                        scanner = None
+                if piece.done:
+                    up.finish_raw_body(piece.trailer, clean=not piece.leftover)
+                    prefix = down.frame(pending_head) if pending_head is not None else b""
+                    await down.send_raw(prefix + out + down.frame(h11.EndOfMessage()))
+                    return
+            if pending_head is not None:
+                out = down.frame(pending_head) + out
+                pending_head = None
+            if out:
+                await down.send_raw(out)
+                out = b""
+            if keepalive:
+                received: bytes | bytearray | None = None
+                with trio.move_on_after(KEEPALIVE_AFTER_S):
+                    received = await up.receive_raw()
+                if received is None:
+                    out = frame(KEEPALIVE_COMMENT)
+                    self.metrics.sse_keepalive_comments.inc()
+                    data = b""
+                    continue
+                data = received
+            else:
+                data = await up.receive_raw()
+            if not data:
+                raise UpstreamError(f"{up.target.name}: connection closed mid-response")
+            guard.progress()
+
+    async def copy_body(
+        self,
+        down: Downstream,
+        up: UpstreamConnection,
+        *,
+        scanner: FirstUsefulEventScanner | None,
+        slot: Slot | None,
+        guard: IdleGuard,
+        keepalive: bool = False,
+    ) -> None:
+        """Pass body chunks through as h11 reads them (Content-Length and close-delimited
+        bodies, HTTP/1.0 clients); scan only until the first useful SSE event.
+
+        With ``keepalive``, an SSE comment goes out whenever the backend stays silent for
+        :data:`KEEPALIVE_AFTER_S` (a cancelled receive loses no bytes).
+        """
+        while True:
+            if keepalive:
+                event = None
+                with trio.move_on_after(KEEPALIVE_AFTER_S):
+                    event = await up.next_event()
+                if event is None:
+                    await down.send(h11.Data(data=KEEPALIVE_COMMENT))
+                    self.metrics.sse_keepalive_comments.inc()
+                    continue
+            else:
+                event = await up.next_event()
+            guard.progress()
+            if isinstance(event, h11.Data):
+                data, ended = up.drain_buffered(bytes(event.data))
+                if ended:
+                    await down.send(h11.Data(data=data), h11.EndOfMessage())
+                    if scanner is not None and scanner.feed(data) and slot is not None:
+                        slot.first_token()
+                    return
+                # One downstream write for everything this upstream read brought.
+                await down.send(h11.Data(data=data))
+                guard.progress()
+                if scanner is not None:
+                    if scanner.feed(data) and slot is not None:
+                        slot.first_token()
+                    if scanner.done or scanner.limit_reached:
+                        scanner = None
+            elif isinstance(event, h11.EndOfMessage):
+                await down.send(h11.EndOfMessage())
+                return
