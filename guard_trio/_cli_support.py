@@ -1,11 +1,11 @@
-"""What the ``inference-guard`` subcommands share: their parser entries, argument types, tables.
+"""What the ``inference-guard`` subcommands share: common options, argument types, tables.
 
 Reads: nothing but its arguments.
 
 Guarantees:
 
-- :func:`add_command` adds one subcommand with its help, description and handler (the
-  dispatcher in :mod:`guard_trio.cli` calls ``args.handler(args)``).
+- :func:`add_overrides` adds the repeatable ``--set VAR=VALUE`` option, collected in
+  ``args.overrides`` (empty when not given).
 - :func:`number` builds an argparse type for a float with a condition; a text that is no
   number is refused with ``not a number: '<text>'``, a number outside the condition with
   ``must be <requirement>, got '<text>'``.
@@ -21,23 +21,14 @@ import argparse
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 
-def add_command(
-    subparsers: Any,
-    name: str,
-    *,
-    help: str,
-    description: str,
-    handler: Callable[[argparse.Namespace], int],
-) -> argparse.ArgumentParser:
-    """Add subcommand ``name`` that runs ``handler``; returns its parser for the arguments."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        name, help=help, description=description
+def add_overrides(parser: argparse.ArgumentParser, *, help: str) -> None:
+    """Add ``--set VAR=VALUE`` (repeatable) to ``parser``; the texts land in ``args.overrides``."""
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="VAR=VALUE", help=help
     )
-    parser.set_defaults(handler=handler)
-    return parser
 
 
 def number(ok: Callable[[float], bool], requirement: str) -> Callable[[str], float]:

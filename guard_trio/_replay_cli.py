@@ -17,28 +17,14 @@ from guard_adapters.recording import (
     read_records,
 )
 from guard_adapters.replay import ReplayResult, replay, summarise
+from guard_trio._cli_support import add_overrides
 from guard_trio._cli_support import write_table as _table
 
 
-def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "replay",
-        help="recompute decisions from a recording, optionally with other settings",
-        description=(
-            "Feed a recording's scrapes and request events through the policy core and print a"
-            " summary. With the recorded settings every decision comes back as recorded;"
-            " --set tries others."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``replay``."""
     parser.add_argument("file", type=Path, help="recording (.jsonl or .jsonl.gz)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="VAR=VALUE",
-        help="override one setting (environment variable name), repeatable",
-    )
+    add_overrides(parser, help="override one setting (environment variable name), repeatable")
     parser.add_argument("--out", type=Path, help="write one JSON object per poll to this file")
     parser.add_argument(
         "--diff",
@@ -51,7 +37,6 @@ def add_parser(subparsers: Any) -> None:
         help="stop at the first malformed line instead of skipping it",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.set_defaults(handler=run)
 
 
 def _load(path: Path, *, strict: bool) -> tuple[Header | None, list[Record], list[RecordingError]]:

@@ -14,12 +14,10 @@ import argparse
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from guard_adapters.engine_model import DEFAULT_PROFILE, PROFILES
-from guard_trio._cli_support import add_command
 from guard_trio.tools.sim_backend import SimBackendConfig, SimBackendError, serve_sim_backend
 
 
@@ -34,18 +32,8 @@ def _slow_down(text: str) -> tuple[float, float]:
     return result
 
 
-def add_parser(subparsers: Any) -> None:
-    parser = add_command(
-        subparsers,
-        "sim-backend",
-        handler=run,
-        help="serve a simulated vLLM or SGLang engine over HTTP",
-        description=(
-            "A simulated inference engine (continuous batching, KV cache, preemption, calibrated"
-            " on real vLLM measurements) behind OpenAI-compatible endpoints, /health and /metrics,"
-            " with scripted faults. POST /sim/control (loopback only) changes faults at run time."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``sim-backend``."""
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     add("--port", type=int, default=8001, help="port (default 8001; 0 picks a free one)")

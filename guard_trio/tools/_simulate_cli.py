@@ -38,7 +38,7 @@ from guard_adapters.simulation import (
     validate_slowdowns,
 )
 from guard_adapters.traces import TraceError, head, premium_flags, read_trace, scale_rate
-from guard_trio._cli_support import add_command, figure, number, write_json, write_table
+from guard_trio._cli_support import add_overrides, figure, number, write_json, write_table
 
 #: The guard policy learns from metrics; a metrics URL is what turns learning on.
 #: ``DYNAMIC_POLICY=predictive`` makes the predictive learner's settings (``DYNAMIC_PREDICTIVE_*``)
@@ -99,20 +99,8 @@ def _slowdown(text: str) -> Slowdown:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def add_parser(subparsers: Any) -> None:
-    parser = add_command(
-        subparsers,
-        "simulate",
-        handler=run,
-        help="run a request trace through the simulated engine under several policies",
-        description=(
-            "Closed loop in virtual time, no sockets: each request of a real trace (Azure CSV or"
-            " Mooncake JSONL) meets a policy (none, static:N, PIG's learner or the predictive"
-            " one) in front of the simulated engine. Prints one table per policy with a row per"
-            " tier; goodput PA/s is the prompt-aware goodput (TTFT within 1 s plus the prompt's"
-            " own idle prefill time)."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``simulate``."""
     parser.add_argument("--trace", type=Path, required=True, help="trace file")
     parser.add_argument(
         "--policy",
@@ -125,14 +113,7 @@ def add_parser(subparsers: Any) -> None:
             f" (default: {' '.join(DEFAULT_POLICIES)})"
         ),
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="VAR=VALUE",
-        help="a guard setting (environment variable name), repeatable",
-    )
+    add_overrides(parser, help="a guard setting (environment variable name), repeatable")
     parser.add_argument(
         "--rate-scale",
         type=_positive,
