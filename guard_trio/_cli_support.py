@@ -6,6 +6,10 @@ Guarantees:
 
 - :func:`add_overrides` adds the repeatable ``--set VAR=VALUE`` option, collected in
   ``args.overrides`` (empty when not given).
+- :func:`read_input` reads a file with the reader given, or says on ``err`` why it could not
+  (``inference-guard <command>: <the file's fault>`` or ``...: cannot read <path>: <reason>``)
+  and gives ``None``; :func:`settings_with` does the same for settings with ``--set``
+  overrides (``...: invalid settings:`` and every problem, one a line).
 - :func:`number` builds an argparse type for a float with a condition; a text that is no
   number is refused with ``not a number: '<text>'``, a number outside the condition with
   ``must be <requirement>, got '<text>'``.
@@ -19,9 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
+
+from guard_adapters._errors import LineError
+from guard_adapters.config import ConfigError, Settings, apply_overrides, load_config
+
+_T = TypeVar("_T")
 
 
 def add_overrides(parser: argparse.ArgumentParser, *, help: str) -> None:
@@ -29,6 +38,28 @@ def add_overrides(parser: argparse.ArgumentParser, *, help: str) -> None:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="VAR=VALUE", help=help
     )
+
+
+def read_input(command: str, path: Path, read: Callable[[Path], _T], err: IO[str]) -> _T | None:
+    """``read(path)``, or ``None`` once ``err`` says why the file cannot be used."""
+    try:
+        return read(path)
+    except LineError as error:
+        err.write(f"inference-guard {command}: {error}\n")
+    except OSError as error:
+        err.write(f"inference-guard {command}: cannot read {path}: {error.strerror or error}\n")
+    return None
+
+
+def settings_with(
+    command: str, environ: Mapping[str, str], overrides: Sequence[str], err: IO[str]
+) -> Settings | None:
+    """The settings of ``environ`` with ``overrides``, or ``None`` once ``err`` lists the faults."""
+    try:
+        return load_config(apply_overrides(environ, overrides))
+    except ConfigError as invalid:
+        err.write(f"inference-guard {command}: invalid settings:\n{invalid}\n")
+        return None
 
 
 def number(ok: Callable[[float], bool], requirement: str) -> Callable[[str], float]:

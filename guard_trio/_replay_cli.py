@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from guard_adapters.config import ConfigError, apply_overrides, load_config
 from guard_adapters.recording import (
     Header,
     Record,
@@ -17,7 +16,7 @@ from guard_adapters.recording import (
     read_records,
 )
 from guard_adapters.replay import ReplayResult, replay, summarise
-from guard_trio._cli_support import add_overrides
+from guard_trio._cli_support import add_overrides, read_input, settings_with
 from guard_trio._cli_support import write_table as _table
 
 
@@ -160,25 +159,18 @@ def _print_diff(result: ReplayResult, out: IO[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out, err = sys.stdout, sys.stderr
-    try:
-        header, records, errors = _load(args.file, strict=args.strict)
-    except RecordingError as error:
-        err.write(f"inference-guard replay: {error}\n")
+    loaded = read_input("replay", args.file, lambda path: _load(path, strict=args.strict), err)
+    if loaded is None:
         return 1
-    except OSError as error:
-        err.write(f"inference-guard replay: cannot read {args.file}: {error.strerror or error}\n")
-        return 1
+    header, records, errors = loaded
     for skipped in errors:
         err.write(f"skipped {skipped}\n")
     if header is None:
         err.write(f"inference-guard replay: {args.file}: no header line; using default settings\n")
-    try:
-        environ = apply_overrides(header.config if header else {}, args.overrides)
-        config = load_config(environ).guard_config()
-    except ConfigError as invalid:
-        err.write(f"inference-guard replay: invalid settings:\n{invalid}\n")
+    settings = settings_with("replay", header.config if header else {}, args.overrides, err)
+    if settings is None:
         return 2
-    result = replay(records, config)
+    result = replay(records, settings.guard_config())
     if args.out is not None:
         with args.out.open("w", encoding="utf-8") as stream:
             for poll in result.polls:
