@@ -6,11 +6,34 @@ from collections.abc import Iterable
 
 from guard_core._errors import GuardError
 
-__all__ = ("AdapterError", "BodyRewriteError", "ConfigError", "MetricsParseError")
+__all__ = ("AdapterError", "BodyRewriteError", "ConfigError", "LineError", "MetricsParseError")
 
 
 class AdapterError(GuardError):
     """Input from a backend or a client that an adapter refuses to translate."""
+
+
+class LineError(AdapterError):
+    """A numbered line of a file (a recording, a trace) that cannot be used.
+
+    ``line_no`` is 1-based; ``source`` names the file (``""`` when unknown) and the message starts
+    with ``source:line_no`` (or ``line N``); ``reason`` is the bare explanation. A subclass pickles
+    as itself.
+    """
+
+    def __init__(self, line_no: int, reason: str, *, source: str = "") -> None:
+        self.line_no = line_no
+        self.reason = reason
+        self.source = source
+        where = f"{source}:{line_no}" if source else f"line {line_no}"
+        super().__init__(f"{where}: {reason}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_line_error, (type(self), self.line_no, self.reason, self.source))
+
+
+def _rebuild_line_error(cls: type[LineError], line_no: int, reason: str, source: str) -> LineError:
+    return cls(line_no, reason, source=source)
 
 
 class MetricsParseError(AdapterError):

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from guard_adapters._errors import AdapterError
+from guard_adapters._json import json_object
 
 __all__ = (
     "QUOTE_REPORT_DATA",
@@ -134,13 +135,7 @@ def _json_object(status: int, body: bytes) -> dict[str, Any]:
             if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
                 detail = _short(parsed["error"].encode())
         raise DstackError(f"agent answered HTTP {status}" + (f": {detail}" if detail else ""))
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        raise DstackError("agent reply is not JSON") from None
-    if not isinstance(parsed, dict):
-        raise DstackError("agent reply is not a JSON object")
-    return parsed
+    return json_object(body, "agent reply", DstackError)
 
 
 def _text_field(reply: dict[str, Any], name: str) -> str:

@@ -110,55 +110,18 @@ __all__ = (
 #: Bucket bounds (seconds) of ``vllm:time_to_first_token_seconds`` in vLLM 0.33.0, the newest
 #: version in ``../shared/data/metrics/vllm-v1-histogram-buckets-by-version.tsv``.
 TTFT_BUCKETS: Final[tuple[float, ...]] = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
 
 #: Bucket bounds (seconds) of ``vllm:inter_token_latency_seconds`` in vLLM 0.33.0, the newest
 #: version in ``../shared/data/metrics/vllm-v1-histogram-buckets-by-version.tsv`` (the same
 #: bounds since the name appeared in 0.10.2; its predecessor ``time_per_output_token_seconds``
 #: had them from 0.8.5).
 ITL_BUCKETS: Final[tuple[float, ...]] = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
 
 
 class EngineDead(Exception):
@@ -214,28 +177,27 @@ class EngineProfile:
         return self.step_base_s + self.decode_token_s * batch + self.kv_token_s * context_tokens
 
 
+_A100_QWEN2_7B: Final = EngineProfile(
+    name="a100-qwen2-7b",
+    max_num_seqs=256,
+    kv_capacity_tokens=464_848,
+    step_base_s=0.0115,
+    decode_token_s=0.000062,
+    prefill_token_s=0.000075,
+    kv_token_s=35e-9,
+    source="Qwen2-7B-Instruct, 1 x A100-80GB, 24.83 GiB KV (Test 5)",
+)
+
 PROFILES: Final[Mapping[str, EngineProfile]] = MappingProxyType(
     {
         profile.name: profile
         for profile in (
-            EngineProfile(
-                name="a100-qwen2-7b",
-                max_num_seqs=256,
-                kv_capacity_tokens=464_848,
-                step_base_s=0.0115,
-                decode_token_s=0.000062,
-                prefill_token_s=0.000075,
-                kv_token_s=35e-9,
-                source="Qwen2-7B-Instruct, 1 x A100-80GB, 24.83 GiB KV (Test 5)",
-            ),
-            EngineProfile(
+            _A100_QWEN2_7B,
+            # The same engine with a smaller KV cache: Test 5's step constants, Test 4's KV size.
+            attrs.evolve(
+                _A100_QWEN2_7B,
                 name="a100-qwen2-7b-kv5g",
-                max_num_seqs=256,
                 kv_capacity_tokens=93_872,
-                step_base_s=0.0115,
-                decode_token_s=0.000062,
-                prefill_token_s=0.000075,
-                kv_token_s=35e-9,
                 source="Qwen2-7B-Instruct, 1 x A100-80GB, 5.01 GiB KV (Test 4), Test 5 constants",
             ),
             EngineProfile(

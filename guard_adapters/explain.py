@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from guard_adapters.recording import Explanation
 from guard_core import (
     Binding,
@@ -79,39 +81,23 @@ def refusal_binding(
     return Binding.NONE
 
 
-def explanation(prediction: Prediction) -> Explanation:
-    """The recording's form of ``prediction`` (every number kept exactly)."""
-    fit = prediction.fit
-    return Explanation(
-        cap=prediction.cap,
-        user_tps=prediction.user_tps,
-        ttft_s=prediction.ttft_s,
-        kv_usage=prediction.kv_usage,
-        binding=str(prediction.binding),
-        fit_step_base_s=fit.step_base_s,
-        fit_per_decoder_s=fit.per_decoder_s,
-        fit_per_kv_s=fit.per_kv_s,
-        fit_per_prompt_token_s=fit.per_prompt_token_s,
-        fit_relative_error=fit.relative_error,
-        fit_observations=fit.observations,
-    )
-
-
-def as_json(prediction: Prediction) -> dict[str, Any]:
-    """A JSON-ready view for replay output: the predictions, the binding and the fit."""
-    fit = prediction.fit
+def _figures(prediction: Prediction) -> dict[str, Any]:
+    """What ``prediction`` predicts and binds, by name (the fit apart)."""
     return {
         "cap": prediction.cap,
         "user_tps": prediction.user_tps,
         "ttft_s": prediction.ttft_s,
         "kv_usage": prediction.kv_usage,
         "binding": str(prediction.binding),
-        "fit": {
-            "step_base_s": fit.step_base_s,
-            "per_decoder_s": fit.per_decoder_s,
-            "per_kv_s": fit.per_kv_s,
-            "per_prompt_token_s": fit.per_prompt_token_s,
-            "relative_error": fit.relative_error,
-            "observations": fit.observations,
-        },
     }
+
+
+def explanation(prediction: Prediction) -> Explanation:
+    """The recording's form of ``prediction`` (every number kept exactly)."""
+    fit = {f"fit_{name}": value for name, value in attrs.asdict(prediction.fit).items()}
+    return Explanation(**_figures(prediction), **fit)
+
+
+def as_json(prediction: Prediction) -> dict[str, Any]:
+    """A JSON-ready view for replay output: the predictions, the binding and the fit."""
+    return {**_figures(prediction), "fit": attrs.asdict(prediction.fit)}

@@ -35,6 +35,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from guard_adapters._errors import AdapterError
+from guard_adapters._json import json_object
 
 __all__ = (
     "DEVICE_IDENTITY_CA_PEM",
@@ -284,12 +285,7 @@ def normalise_payload(text: str, nonce_hex: str, default_arch: str, *, require: 
     """A supplied payload in the ``{"nonce","evidence_list","arch"}`` shape, as JSON text."""
     if _SPACE_ONLY.fullmatch(text):
         raise NvidiaEvidenceError("NVIDIA payload is empty")
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        raise NvidiaEvidenceError("NVIDIA payload is not JSON") from None
-    if not isinstance(parsed, dict):
-        raise NvidiaEvidenceError("NVIDIA payload is not a JSON object")
+    parsed = json_object(text, "NVIDIA payload", NvidiaEvidenceError)
     payload: dict[str, Any]
     if "evidence_list" in parsed:
         payload = dict(parsed)

@@ -622,17 +622,25 @@ class _Scanner:
             self._out.append(mv[pos:])
         return len(buf)
 
-    def _string(self, frame: _Frame, buf: bytes, mv: memoryview, pos: int, n: int) -> int:
+    def _string_rest(self, frame: _Frame, buf: bytes, mv: memoryview, pos: int, n: int) -> int:
+        """The rest of a string begun in an earlier chunk: the index after its closing quote, or
+        -1 when this chunk ends inside it too (the chunk emitted, the escape state kept)."""
         q, esc = _string_end(buf, pos, frame.esc)
         if q < 0:
             frame.esc = esc
             if frame.emit:
                 self._out.append(mv[pos:n])
+            return -1
+        return q + 1
+
+    def _string(self, frame: _Frame, buf: bytes, mv: memoryview, pos: int, n: int) -> int:
+        end = self._string_rest(frame, buf, mv, pos, n)
+        if end < 0:
             return n
         if frame.emit:
-            self._out.append(mv[pos : q + 1])
+            self._out.append(mv[pos:end])
         self._stack.pop()
-        return q + 1
+        return end
 
     def _scalar(self, frame: _Frame, buf: bytes, mv: memoryview, pos: int, n: int) -> int:
         match = _SCALAR_END.search(buf, pos)
@@ -647,14 +655,10 @@ class _Scanner:
         start = pos
         closers = frame.closers
         if frame.in_string:
-            q, esc = _string_end(buf, pos, frame.esc)
-            if q < 0:
-                frame.esc = esc
-                if frame.emit:
-                    self._out.append(mv[start:n])
+            pos = self._string_rest(frame, buf, mv, pos, n)
+            if pos < 0:
                 return n
             frame.in_string = False
-            pos = q + 1
         search = _COMPOSITE_STOP.search
         limit = self._limit
         while True:

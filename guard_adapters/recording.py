@@ -34,7 +34,7 @@ from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.strategies import configure_tagged_union
 
 from guard_adapters import recording_v1
-from guard_adapters._errors import AdapterError
+from guard_adapters._errors import LineError
 from guard_core import Refused, RequestEvent
 
 __all__ = (
@@ -65,15 +65,8 @@ SECRET_VARIABLES = frozenset(
 )
 
 
-class RecordingError(AdapterError):
+class RecordingError(LineError):
     """A line of a recording that cannot be used."""
-
-    def __init__(self, line_no: int, reason: str, *, source: str = "") -> None:
-        self.line_no = line_no
-        self.reason = reason
-        self.source = source
-        where = f"{source}:{line_no}" if source else f"line {line_no}"
-        super().__init__(f"{where}: {reason}")
 
 
 @attrs.frozen(kw_only=True)

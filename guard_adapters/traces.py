@@ -35,7 +35,7 @@ from pathlib import Path
 
 import attrs
 
-from guard_adapters._errors import AdapterError
+from guard_adapters._errors import LineError
 
 __all__ = (
     "TraceError",
@@ -58,22 +58,8 @@ class TraceFormat(enum.StrEnum):
     MOONCAKE_JSONL = "mooncake-jsonl"
 
 
-class TraceError(AdapterError):
+class TraceError(LineError):
     """A trace row (or a whole trace) that cannot be used; ``line_no`` is 1-based."""
-
-    def __init__(self, line_no: int, reason: str, *, source: str = "") -> None:
-        self.line_no = line_no
-        self.reason = reason
-        self.source = source
-        where = f"{source}:{line_no}" if source else f"line {line_no}"
-        super().__init__(f"{where}: {reason}")
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_error, (self.line_no, self.reason, self.source))
-
-
-def _rebuild_error(line_no: int, reason: str, source: str) -> TraceError:
-    return TraceError(line_no, reason, source=source)
 
 
 @attrs.frozen

@@ -144,29 +144,39 @@ class PublishedDecision:
     @classmethod
     def startup(cls, *, at: float, failsafe: LoadState = LoadState.YELLOW) -> PublishedDecision:
         """The decision before the first poll: intake closed, reason ``backend_unavailable``."""
-        return cls(
-            at=at,
-            source=DecisionSource.STARTUP,
-            cap=0,
-            state=failsafe,
-            final_reason=LimitReason.BACKEND_UNAVAILABLE,
-            yellow_reasons=(StateReason.BACKEND_UNAVAILABLE,),
-        )
+        return cls._closed(at=at, source=DecisionSource.STARTUP, failsafe=failsafe)
 
     @classmethod
     def all_polls_failed(
         cls, *, at: float, backend_count: int, failsafe: LoadState = LoadState.YELLOW
     ) -> PublishedDecision:
         """The decision after a poll where every metrics source failed: intake closed."""
-        return cls(
+        return cls._closed(
             at=at,
             source=DecisionSource.ERROR,
+            failsafe=failsafe,
+            failed=backend_count,
+        )
+
+    @classmethod
+    def _closed(
+        cls,
+        *,
+        at: float,
+        source: DecisionSource,
+        failsafe: LoadState,
+        failed: int = 0,
+    ) -> PublishedDecision:
+        """Intake closed in the ``failsafe`` state; ``failed`` backends polled, all failed."""
+        return cls(
+            at=at,
+            source=source,
             cap=0,
             state=failsafe,
             final_reason=LimitReason.BACKEND_UNAVAILABLE,
             yellow_reasons=(StateReason.BACKEND_UNAVAILABLE,),
-            backend_count=backend_count,
-            backend_failed=backend_count,
+            backend_count=failed,
+            backend_failed=failed,
         )
 
     @classmethod

@@ -87,17 +87,8 @@ def normalise(
 
 
 @attrs.frozen(kw_only=True)
-class Aggregate:
-    """The healthy backends of one poll, combined."""
-
-    running: float
-    waiting: float
-    kv_usage: float
-    preemptions: float
-    generation_tokens: float
-    generation_tps: float | None
-    preemption_delta: float | None
-    ttft_window: Histogram | None
+class Aggregate(NormalisedSample):
+    """The healthy backends of one poll, combined: one backend's figures, summed across them."""
 
 
 def aggregate(samples: tuple[NormalisedSample, ...]) -> Aggregate:

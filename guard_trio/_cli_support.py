@@ -1,11 +1,15 @@
-"""What the ``inference-guard`` subcommands share: their parser entries, argument types, tables.
+"""What the ``inference-guard`` subcommands share: common options, argument types, tables.
 
 Reads: nothing but its arguments.
 
 Guarantees:
 
-- :func:`add_command` adds one subcommand with its help, description and handler (the
-  dispatcher in :mod:`guard_trio.cli` calls ``args.handler(args)``).
+- :func:`add_overrides` adds the repeatable ``--set VAR=VALUE`` option, collected in
+  ``args.overrides`` (empty when not given).
+- :func:`read_input` reads a file with the reader given, or says on ``err`` why it could not
+  (``inference-guard <command>: <the file's fault>`` or ``...: cannot read <path>: <reason>``)
+  and gives ``None``; :func:`settings_with` does the same for settings with ``--set``
+  overrides (``...: invalid settings:`` and every problem, one a line).
 - :func:`number` builds an argparse type for a float with a condition; a text that is no
   number is refused with ``not a number: '<text>'``, a number outside the condition with
   ``must be <requirement>, got '<text>'``.
@@ -19,25 +23,43 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TypeVar
+
+from guard_adapters._errors import LineError
+from guard_adapters.config import ConfigError, Settings, apply_overrides, load_config
+
+_T = TypeVar("_T")
 
 
-def add_command(
-    subparsers: Any,
-    name: str,
-    *,
-    help: str,
-    description: str,
-    handler: Callable[[argparse.Namespace], int],
-) -> argparse.ArgumentParser:
-    """Add subcommand ``name`` that runs ``handler``; returns its parser for the arguments."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        name, help=help, description=description
+def add_overrides(parser: argparse.ArgumentParser, *, help: str) -> None:
+    """Add ``--set VAR=VALUE`` (repeatable) to ``parser``; the texts land in ``args.overrides``."""
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="VAR=VALUE", help=help
     )
-    parser.set_defaults(handler=handler)
-    return parser
+
+
+def read_input(command: str, path: Path, read: Callable[[Path], _T], err: IO[str]) -> _T | None:
+    """``read(path)``, or ``None`` once ``err`` says why the file cannot be used."""
+    try:
+        return read(path)
+    except LineError as error:
+        err.write(f"inference-guard {command}: {error}\n")
+    except OSError as error:
+        err.write(f"inference-guard {command}: cannot read {path}: {error.strerror or error}\n")
+    return None
+
+
+def settings_with(
+    command: str, environ: Mapping[str, str], overrides: Sequence[str], err: IO[str]
+) -> Settings | None:
+    """The settings of ``environ`` with ``overrides``, or ``None`` once ``err`` lists the faults."""
+    try:
+        return load_config(apply_overrides(environ, overrides))
+    except ConfigError as invalid:
+        err.write(f"inference-guard {command}: invalid settings:\n{invalid}\n")
+        return None
 
 
 def number(ok: Callable[[float], bool], requirement: str) -> Callable[[str], float]:

@@ -6,7 +6,7 @@ import argparse
 import datetime
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import attrs
 import trio
@@ -22,21 +22,14 @@ from guard_adapters.recording import (
 )
 from guard_core import GuardError
 from guard_trio import __version__
-from guard_trio._cli_support import add_command
 from guard_trio._http import fetch
 
 POLL_TIMEOUT_S = 2.0
 MAX_PAGE_BYTES = 4 * 1024 * 1024
 
 
-def add_parser(subparsers: Any) -> None:
-    parser = add_command(
-        subparsers,
-        "record",
-        handler=run,
-        help="record backends' metrics pages into a recording (no proxy)",
-        description="Poll one or more /metrics URLs and write what the learner reads to FILE.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``record``."""
     parser.add_argument(
         "--metrics-url", dest="urls", action="append", required=True, metavar="URL",
         help="a backend's metrics URL; repeat for several backends",

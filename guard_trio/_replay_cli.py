@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from guard_adapters.config import ConfigError, apply_overrides, load_config
 from guard_adapters.recording import (
     Header,
     Record,
@@ -17,28 +16,14 @@ from guard_adapters.recording import (
     read_records,
 )
 from guard_adapters.replay import ReplayResult, replay, summarise
+from guard_trio._cli_support import add_overrides, read_input, settings_with
 from guard_trio._cli_support import write_table as _table
 
 
-def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "replay",
-        help="recompute decisions from a recording, optionally with other settings",
-        description=(
-            "Feed a recording's scrapes and request events through the policy core and print a"
-            " summary. With the recorded settings every decision comes back as recorded;"
-            " --set tries others."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``replay``."""
     parser.add_argument("file", type=Path, help="recording (.jsonl or .jsonl.gz)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="VAR=VALUE",
-        help="override one setting (environment variable name), repeatable",
-    )
+    add_overrides(parser, help="override one setting (environment variable name), repeatable")
     parser.add_argument("--out", type=Path, help="write one JSON object per poll to this file")
     parser.add_argument(
         "--diff",
@@ -51,7 +36,6 @@ def add_parser(subparsers: Any) -> None:
         help="stop at the first malformed line instead of skipping it",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.set_defaults(handler=run)
 
 
 def _load(path: Path, *, strict: bool) -> tuple[Header | None, list[Record], list[RecordingError]]:
@@ -175,25 +159,18 @@ def _print_diff(result: ReplayResult, out: IO[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out, err = sys.stdout, sys.stderr
-    try:
-        header, records, errors = _load(args.file, strict=args.strict)
-    except RecordingError as error:
-        err.write(f"inference-guard replay: {error}\n")
+    loaded = read_input("replay", args.file, lambda path: _load(path, strict=args.strict), err)
+    if loaded is None:
         return 1
-    except OSError as error:
-        err.write(f"inference-guard replay: cannot read {args.file}: {error.strerror or error}\n")
-        return 1
+    header, records, errors = loaded
     for skipped in errors:
         err.write(f"skipped {skipped}\n")
     if header is None:
         err.write(f"inference-guard replay: {args.file}: no header line; using default settings\n")
-    try:
-        environ = apply_overrides(header.config if header else {}, args.overrides)
-        config = load_config(environ).guard_config()
-    except ConfigError as invalid:
-        err.write(f"inference-guard replay: invalid settings:\n{invalid}\n")
+    settings = settings_with("replay", header.config if header else {}, args.overrides, err)
+    if settings is None:
         return 2
-    result = replay(records, config)
+    result = replay(records, settings.guard_config())
     if args.out is not None:
         with args.out.open("w", encoding="utf-8") as stream:
             for poll in result.polls:

@@ -9,27 +9,19 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from guard_adapters.config import ConfigError, Settings, load_config
 from guard_trio import __version__
-from guard_trio._cli_support import add_command
 from guard_trio._recorder import Recorder
 from guard_trio._server import GuardServer
 
 log = logging.getLogger("inference_guard")
 
 
-def add_parser(subparsers: Any) -> None:
-    parser = add_command(
-        subparsers,
-        "serve",
-        handler=run,
-        help="run the proxy (configured by environment variables, as PIG)",
-        description="Run the QoS proxy. Every setting comes from PIG's environment variables.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``serve``."""
     parser.add_argument(
         "--print-config",
         action="store_true",

@@ -2,7 +2,9 @@
 
 Reads: the command line. ``serve``, ``replay`` and ``record`` come from ``guard_trio``;
 ``sim-backend``, ``simulate`` and ``demo`` from :mod:`guard_trio.tools`, which the serving path
-never imports. Running with no subcommand prints the ones available and exits 2.
+never imports. Each subcommand's module adds its arguments (``add_arguments``) and runs it
+(``run``, returning the exit status); the names, help lines and descriptions are one table here.
+Running with no subcommand prints the ones available and exits 2.
 """
 
 from __future__ import annotations
@@ -11,9 +13,70 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Final, Protocol
 
 from guard_trio import __version__, _record, _replay_cli, _serve_cli
 from guard_trio.tools import _demo_cli, _sim_backend_cli, _simulate_cli
+
+
+class _Command(Protocol):
+    """What a subcommand's module provides: its arguments and what runs it (the exit status)."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+#: The subcommands in ``--help`` order: name, module, one-line help, description.
+_COMMANDS: Final[tuple[tuple[str, _Command, str, str], ...]] = (
+    (
+        "serve",
+        _serve_cli,
+        "run the proxy (configured by environment variables, as PIG)",
+        "Run the QoS proxy. Every setting comes from PIG's environment variables.",
+    ),
+    (
+        "replay",
+        _replay_cli,
+        "recompute decisions from a recording, optionally with other settings",
+        "Feed a recording's scrapes and request events through the policy core and print a"
+        " summary. With the recorded settings every decision comes back as recorded;"
+        " --set tries others.",
+    ),
+    (
+        "record",
+        _record,
+        "record backends' metrics pages into a recording (no proxy)",
+        "Poll one or more /metrics URLs and write what the learner reads to FILE.",
+    ),
+    (
+        "sim-backend",
+        _sim_backend_cli,
+        "serve a simulated vLLM or SGLang engine over HTTP",
+        "A simulated inference engine (continuous batching, KV cache, preemption, calibrated"
+        " on real vLLM measurements) behind OpenAI-compatible endpoints, /health and /metrics,"
+        " with scripted faults. POST /sim/control (loopback only) changes faults at run time.",
+    ),
+    (
+        "simulate",
+        _simulate_cli,
+        "run a request trace through the simulated engine under several policies",
+        "Closed loop in virtual time, no sockets: each request of a real trace (Azure CSV or"
+        " Mooncake JSONL) meets a policy (none, static:N, PIG's learner or the predictive"
+        " one) in front of the simulated engine. Prints one table per policy with a row per"
+        " tier; goodput PA/s is the prompt-aware goodput (TTFT within 1 s plus the prompt's"
+        " own idle prefill time).",
+    ),
+    (
+        "demo",
+        _demo_cli,
+        "a 90-second demonstration: simulated backend, guard and load, no GPU needed",
+        "Starts a simulated vLLM and the guard on free loopback ports, drives a premium/basic"
+        " load that ramps to about three times capacity straight to the backend, then through"
+        " the guard with PIG's learner and with the predictive one, and compares them per"
+        " tier. No config, no network.",
+    ),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,12 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"inference-guard {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _serve_cli.add_parser(subparsers)
-    _replay_cli.add_parser(subparsers)
-    _record.add_parser(subparsers)
-    _sim_backend_cli.add_parser(subparsers)
-    _simulate_cli.add_parser(subparsers)
-    _demo_cli.add_parser(subparsers)
+    for name, command, help_line, description in _COMMANDS:
+        sub = subparsers.add_parser(name, help=help_line, description=description)
+        command.add_arguments(sub)
+        sub.set_defaults(handler=command.run)
     return parser
 
 

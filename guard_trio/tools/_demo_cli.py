@@ -54,7 +54,7 @@ import trio
 
 from guard_adapters.config import load_config
 from guard_adapters.engine_model import PROFILES, idle_prefill_s
-from guard_trio._cli_support import add_command, figure, number, write_json, write_table
+from guard_trio._cli_support import figure, number, write_json, write_table
 from guard_trio._server import GuardServer
 from guard_trio.tools.sim_backend import SimBackend, SimBackendConfig
 
@@ -526,19 +526,8 @@ async def _demo(plan: DemoPlan, out: IO[str]) -> dict[str, dict[str, dict[str, A
 _seconds = number(lambda value: math.isfinite(value) and value >= 4, "a number of seconds >= 4")
 
 
-def add_parser(subparsers: Any) -> None:
-    parser = add_command(
-        subparsers,
-        "demo",
-        handler=run,
-        help="a 90-second demonstration: simulated backend, guard and load, no GPU needed",
-        description=(
-            "Starts a simulated vLLM and the guard on free loopback ports, drives a premium/basic"
-            " load that ramps to about three times capacity straight to the backend, then through"
-            " the guard with PIG's learner and with the predictive one, and compares them per"
-            " tier. No config, no network."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``demo``."""
     parser.add_argument(
         "--duration", type=_seconds, default=90.0, metavar="S", help="total seconds (90)"
     )

@@ -14,12 +14,12 @@ import argparse
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Final
 
+import attrs
 import trio
 
 from guard_adapters.engine_model import DEFAULT_PROFILE, PROFILES
-from guard_trio._cli_support import add_command
 from guard_trio.tools.sim_backend import SimBackendConfig, SimBackendError, serve_sim_backend
 
 
@@ -34,18 +34,8 @@ def _slow_down(text: str) -> tuple[float, float]:
     return result
 
 
-def add_parser(subparsers: Any) -> None:
-    parser = add_command(
-        subparsers,
-        "sim-backend",
-        handler=run,
-        help="serve a simulated vLLM or SGLang engine over HTTP",
-        description=(
-            "A simulated inference engine (continuous batching, KV cache, preemption, calibrated"
-            " on real vLLM measurements) behind OpenAI-compatible endpoints, /health and /metrics,"
-            " with scripted faults. POST /sim/control (loopback only) changes faults at run time."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``sim-backend``."""
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     add("--port", type=int, default=8001, help="port (default 8001; 0 picks a free one)")
@@ -64,6 +54,7 @@ def add_parser(subparsers: Any) -> None:
     add("--max-model-len", type=int, default=8192, metavar="N", help="context length (8192)")
     add(
         "--mean-output",
+        dest="mean_output_tokens",
         type=float,
         metavar="N",
         help="end requests early with a seeded geometric length of this mean (default: never)",
@@ -88,10 +79,24 @@ def add_parser(subparsers: Any) -> None:
         metavar="FACTOR@SECONDS",
         help="steps take FACTOR times longer from SECONDS after start (repeatable)",
     )
-    add("--die-at", type=float, metavar="SECONDS", help="the engine dies at this time")
-    add("--metrics-delay", type=float, default=0.0, metavar="SECONDS", help="delay /metrics")
+    add(
+        "--die-at",
+        dest="die_at_s",
+        type=float,
+        metavar="SECONDS",
+        help="the engine dies at this time",
+    )
+    add(
+        "--metrics-delay",
+        dest="metrics_delay_s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="delay /metrics",
+    )
     add(
         "--metrics-fail-after",
+        dest="metrics_fail_after_s",
         type=float,
         metavar="SECONDS",
         help="/metrics answers 500 from this time on",
@@ -109,32 +114,32 @@ def add_parser(subparsers: Any) -> None:
         metavar="MS",
         help="pause between replayed events (default 20)",
     )
-    add("--keep-alive", type=float, default=5.0, metavar="SECONDS", help="idle keep-alive (5)")
+    add(
+        "--keep-alive",
+        dest="keep_alive_s",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="idle keep-alive (5)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimBackendConfig:
+    """The configuration the options give: each option's ``dest`` is the field it sets."""
+    given = vars(args)
     return SimBackendConfig(
-        host=args.host,
-        port=args.port,
-        flavour=args.flavour,
-        metrics_names=args.metrics_names,
-        profile=args.profile,
-        max_num_seqs=args.max_num_seqs,
-        seed=args.seed,
-        model=args.model,
-        max_output=args.max_output,
-        max_model_len=args.max_model_len,
-        speed=args.speed,
-        mean_output_tokens=args.mean_output,
-        reasoning_field=args.reasoning_field,
+        **{field.name: given[field.name] for field in _FLAG_FIELDS},
         slow_down=tuple(args.slow_down),
-        die_at_s=args.die_at,
-        metrics_delay_s=args.metrics_delay,
-        metrics_fail_after_s=args.metrics_fail_after,
-        replay_sse=args.replay_sse,
         replay_interval_s=args.replay_interval_ms / 1000,
-        keep_alive_s=args.keep_alive,
     )
+
+
+#: The configuration fields set as given by an option of the same ``dest``.
+_FLAG_FIELDS: Final = tuple(
+    field
+    for field in attrs.fields(SimBackendConfig)
+    if field.name not in {"default_max_tokens", "slow_down", "replay_interval_s"}
+)
 
 
 async def _serve(config: SimBackendConfig) -> None:

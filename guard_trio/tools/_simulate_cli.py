@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from guard_adapters.config import ConfigError, apply_overrides, load_config
 from guard_adapters.engine_model import (
     DEFAULT_PROFILE,
     PROFILES,
@@ -37,8 +36,16 @@ from guard_adapters.simulation import (
     simulate,
     validate_slowdowns,
 )
-from guard_adapters.traces import TraceError, head, premium_flags, read_trace, scale_rate
-from guard_trio._cli_support import add_command, figure, number, write_json, write_table
+from guard_adapters.traces import head, premium_flags, read_trace, scale_rate
+from guard_trio._cli_support import (
+    add_overrides,
+    figure,
+    number,
+    read_input,
+    settings_with,
+    write_json,
+    write_table,
+)
 
 #: The guard policy learns from metrics; a metrics URL is what turns learning on.
 #: ``DYNAMIC_POLICY=predictive`` makes the predictive learner's settings (``DYNAMIC_PREDICTIVE_*``)
@@ -99,20 +106,8 @@ def _slowdown(text: str) -> Slowdown:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def add_parser(subparsers: Any) -> None:
-    parser = add_command(
-        subparsers,
-        "simulate",
-        handler=run,
-        help="run a request trace through the simulated engine under several policies",
-        description=(
-            "Closed loop in virtual time, no sockets: each request of a real trace (Azure CSV or"
-            " Mooncake JSONL) meets a policy (none, static:N, PIG's learner or the predictive"
-            " one) in front of the simulated engine. Prints one table per policy with a row per"
-            " tier; goodput PA/s is the prompt-aware goodput (TTFT within 1 s plus the prompt's"
-            " own idle prefill time)."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``simulate``."""
     parser.add_argument("--trace", type=Path, required=True, help="trace file")
     parser.add_argument(
         "--policy",
@@ -125,14 +120,7 @@ def add_parser(subparsers: Any) -> None:
             f" (default: {' '.join(DEFAULT_POLICIES)})"
         ),
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="VAR=VALUE",
-        help="a guard setting (environment variable name), repeatable",
-    )
+    add_overrides(parser, help="a guard setting (environment variable name), repeatable")
     parser.add_argument(
         "--rate-scale",
         type=_positive,
@@ -304,23 +292,17 @@ def run(args: argparse.Namespace) -> int:
                 ' install it with: pip install "inference-guard[plot]"\n'
             )
             return 2
-    try:
-        environ = apply_overrides(BASE_ENVIRONMENT, args.overrides)
-        settings = load_config(environ)
-    except ConfigError as invalid:
-        err.write(f"inference-guard simulate: invalid settings:\n{invalid}\n")
+    settings = settings_with("simulate", BASE_ENVIRONMENT, args.overrides, err)
+    if settings is None:
         return 2
     engine = _engine_setup(args, err)
     if engine is None:
         return 2
     profile, profile_path, slowdowns = engine
-    try:
-        trace_file = read_trace(args.trace, strict=args.strict)
-    except TraceError as error:
-        err.write(f"inference-guard simulate: {error}\n")
-        return 1
-    except OSError as error:
-        err.write(f"inference-guard simulate: cannot read {args.trace}: {error.strerror}\n")
+    trace_file = read_input(
+        "simulate", args.trace, lambda path: read_trace(path, strict=args.strict), err
+    )
+    if trace_file is None:
         return 1
     for skipped in trace_file.skipped[:10]:
         err.write(f"skipped {skipped}\n")
