@@ -296,14 +296,8 @@ class Downstream:
             self.closing = True
             events = tuple(_with_close(event) for event in events)
         data = b"".join(self.h11.send(event) or b"" for event in events)
-        if not data:
-            return
-        try:
-            await send_fast(self.stream, self._sock, data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            self.gone = True
-            self.h11.send_failed()
-            raise ClientGone("client went away") from None
+        if data:
+            await self.send_raw(data)
 
     async def respond(
         self, status: int, headers: list[tuple[bytes, bytes]], body: bytes = b""
