@@ -24,6 +24,7 @@ Guarantees:
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import re
@@ -437,6 +438,7 @@ class RefusalCounts:
     lane: Lane | None
 
 
+@functools.lru_cache(maxsize=512)  # a few tiers x lanes x codes: one value each, reused
 def refusal_counts(
     tier: Tier, lane: Lane, code: RejectCode, *, waited: bool, binding: Binding | None = None
 ) -> RefusalCounts:

@@ -190,7 +190,7 @@ class Downstream:
         if not self._raw:
             self.idle_since = self.wait_started = trio.current_time()
             try:
-                data = await receive_fast(self.stream, self._sock)
+                data = await receive_next(self.stream, self._sock)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 data = b""
             finally:
@@ -418,6 +418,20 @@ async def receive_fast(stream: trio.abc.Stream, sock: socket.socket | None) -> b
             return sock.recv(_READ_SIZE)
         except BlockingIOError:  # woken without data: wait again
             continue
+
+
+async def receive_next(stream: trio.abc.Stream, sock: socket.socket | None) -> bytes:
+    """:func:`receive_fast` for a client's next request: after every other ready task has run
+    once, its bytes have often arrived (under load, that is most of the time), and one ``recv``
+    then takes them without registering for readiness and waiting (two ``epoll_ctl`` calls and a
+    wake-up through the scheduler)."""
+    if sock is not None:
+        await trio.lowlevel.checkpoint()
+        try:
+            return sock.recv(_READ_SIZE)
+        except BlockingIOError:
+            pass
+    return await receive_fast(stream, sock)
 
 
 def stdlib_socket(stream: object) -> socket.socket | None:

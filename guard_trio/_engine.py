@@ -151,6 +151,10 @@ class GuardEngine:
     def _at(self) -> float:
         return self.now() - self._origin
 
+    def started_at(self, attempt: Attempt) -> float:
+        """When ``attempt`` arrived, on the runtime's clock (``trio.current_time()``)."""
+        return self._origin + attempt.arrived
+
     def _apply(self, event: RequestEvent) -> object:
         """Apply one request event and tell the listener; the attempt's outcome, if any."""
         step = apply_guard_event(self.state, event)
@@ -225,15 +229,19 @@ class GuardEngine:
             return
         assert isinstance(outcome, Rejected)
         retry_after_s = outcome.retry_after_s
-        self._apply(
-            Refused(
-                at=at,
-                request_id=request_id,
-                code=outcome.code,
-                retry_after_s=retry_after_s,
-                binding=attempt.binding,
-            )
+        refused = Refused(
+            at=at,
+            request_id=request_id,
+            code=outcome.code,
+            retry_after_s=retry_after_s,
+            binding=attempt.binding,
         )
+        if request_id in self.state.requests:
+            self._apply(refused)
+        elif self.on_event is not None:
+            # Refused at once: the core never filed it, so applying the event changes nothing
+            # (guard_core.requests ignores an unknown id); the recording still says it.
+            self.on_event(refused)
         attempt.result = AdmissionResult(None, outcome.code, waited, retry_after_s, attempt.binding)
 
     def _attempt(self, event: Arrived | Retried) -> tuple[object, Binding | None]:

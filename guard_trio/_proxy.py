@@ -186,14 +186,14 @@ class ProxyApp:
             return None, None
         tier = tier_from_header_values(request.values(b"x-user-tier"))
         length = request.body_length
-        started = trio.current_time()
         attempt = self.engine.begin(tier, path=raw_path, body_bytes=length)
         result = attempt.result
         if result is None or result.code is None:
             return attempt, None  # admitted or queued: the full path serves it
         lane = body_lane(length, self.body_thresholds)
         self.metrics.lanes[lane].observe_body(length)
-        self.count_decision(result, started)
+        # The decision took from the attempt's arrival (engine time) to now.
+        self.count_decision(result, self.engine.started_at(attempt))
         self.count_refusal(tier, lane, result.code, waited=False, binding=result.binding)
         return None, self.refusal_bytes(result.retry_after_s)
 
