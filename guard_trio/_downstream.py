@@ -26,7 +26,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import functools
 import socket
 from collections.abc import Sequence
 from http import HTTPStatus
@@ -460,12 +459,11 @@ def _whole_response(
 _SOME_REQUEST = b"POST / HTTP/1.1\r\nhost: guard\r\ncontent-length: 0\r\n\r\n"
 
 
-@functools.lru_cache(maxsize=256)
 def whole_response_bytes(
     status: int, headers: tuple[tuple[bytes, bytes], ...], body: bytes
 ) -> bytes:
     """The exact bytes :meth:`Downstream.respond` writes for this answer on a kept-alive
-    HTTP/1.1 connection (framed by h11 once, then reused)."""
+    HTTP/1.1 connection, framed by a throwaway h11 connection (callers keep what they reuse)."""
     framer = h11.Connection(h11.SERVER)
     framer.receive_data(_SOME_REQUEST)
     while framer.next_event() is not h11.NEED_DATA and framer.their_state is not h11.DONE:
