@@ -16,8 +16,8 @@ Guarantees:
   nor any byte of it changes how the comparison runs;
 - :func:`upstream_headers` never passes on a client's ``X-PIG-*`` header, a hop-by-hop header
   (those the client names in ``Connection`` included), its ``Host``, ``Expect`` or framing;
-  the backend gets its own ``Host``, the forwarded-for chain with the socket peer last, and the
-  guard's own ``X-PIG-*`` facts;
+  the backend gets its own ``Host``, the forwarded-for chain with the socket peer last, the
+  guard's own ``X-PIG-*`` facts and, when given, the request's one ``X-Request-Id``;
 - :func:`refusal_counts` is PIG's reject accounting: which counters one refusal moves.
 """
 
@@ -321,10 +321,13 @@ def upstream_headers(
     lane: Lane,
     body_length: int | None,
     output_tokens: int | None = None,
+    trace_id: bytes = b"",
 ) -> list[tuple[bytes, bytes]]:
     """The request head's headers as the backend gets them (see the module rules)."""
     hops = hop_by_hop(headers)
     drop = hops | {b"host", b"content-length", b"x-forwarded-for", b"expect"}
+    if trace_id:  # the guard's id for the request replaces whatever the client sent
+        drop = drop | {b"x-request-id"}
     out = [
         (name, value)
         for name, value in headers
@@ -336,6 +339,8 @@ def upstream_headers(
     client_chain = [] if b"x-forwarded-for" in hops else header_values(headers, b"x-forwarded-for")
     out.append((b"x-forwarded-for", b", ".join([*client_chain, peer])))
     out.append((b"x-pig-backend", backend))
+    if trace_id:
+        out.append((b"x-request-id", trace_id))
     if tier is not None:
         out.append((b"x-pig-tier", str(tier).encode()))
         out.append((b"x-pig-lane", str(lane).encode()))

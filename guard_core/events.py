@@ -53,6 +53,9 @@ class Arrived(_Event):
     body_bytes: int | None = None
     #: The request's path, for people reading a recording; the policy does not read it.
     path: str = ""
+    #: The id the client was answered with (its ``X-Request-Id``), to find a request by it in a
+    #: recording; the policy does not read it.
+    trace_id: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -41,6 +41,7 @@ from guard_adapters.http_head import (
     head_problem,
     read_simple_request,
 )
+from guard_adapters.outcome import ExchangeNotes
 from guard_core import GuardError
 
 __all__ = (
@@ -113,6 +114,11 @@ class Downstream:
         self.peer = peer
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
         self.gone = False
+        #: What the guard noted of the exchange in progress (:mod:`guard_adapters.outcome`);
+        #: its ``trace_id`` is the ``X-Request-Id`` every response head carries.
+        self.notes = ExchangeNotes()
+        #: The notes' outcome is yet to be handed on (:meth:`ProxyApp.end_exchange`).
+        self.exchange_open = False
         #: The non-blocking stdlib socket under a plain TCP stream, for :meth:`send_raw`.
         self._sock = stdlib_socket(stream)
         self.limits = limits or BodyLimits()
@@ -302,7 +308,24 @@ class Downstream:
         self, status: int, headers: list[tuple[bytes, bytes]], body: bytes = b""
     ) -> None:
         """A whole response in one write."""
-        await self.send(*_whole_response(status, headers, body))
+        self.notes.status = status
+        await self.send(*_whole_response(status, self.stamped(headers), body))
+
+    def head(
+        self, status: int, headers: list[tuple[bytes, bytes]], reason: bytes = b""
+    ) -> h11.Response:
+        """The response head for ``headers``, with the request's ``X-Request-Id``."""
+        self.notes.status = status
+        return h11.Response(status_code=status, headers=self.stamped(headers), reason=reason)
+
+    def stamped(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """``headers`` with this request's id as its one ``X-Request-Id`` (a backend's own goes)."""
+        trace_id = self.notes.trace_id
+        if not trace_id:
+            return headers
+        kept = [(n, v) for n, v in headers if n.lower() != b"x-request-id"]
+        kept.append((b"x-request-id", trace_id.encode()))
+        return kept
 
     def frame(self, *events: h11.Event) -> bytes:
         """The bytes h11 would send for ``events`` (its state advances): for a caller that

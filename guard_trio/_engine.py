@@ -127,6 +127,8 @@ class Attempt:
     outcome: object
     binding: Binding | None
     result: AdmissionResult | None = None
+    #: The request's ``X-Request-Id`` (its :class:`~guard_core.Arrived` says it too).
+    trace_id: str = ""
 
 
 class GuardEngine:
@@ -169,15 +171,24 @@ class GuardEngine:
 
     # -- admission -----------------------------------------------------------------------------
 
-    def begin(self, tier: Tier, *, path: str = "", body_bytes: int | None = None) -> Attempt:
+    def begin(
+        self, tier: Tier, *, path: str = "", body_bytes: int | None = None, trace_id: str = ""
+    ) -> Attempt:
         """Ask for a slot now, without waiting: the attempt is applied once, and comes back
         settled (a slot or a refusal) unless it was queued; :meth:`settle` finishes it."""
         request_id = next(self._ids)
         arrived = self._at()
         outcome, binding = self._attempt(
-            Arrived(at=arrived, request_id=request_id, tier=tier, body_bytes=body_bytes, path=path)
+            Arrived(
+                at=arrived,
+                request_id=request_id,
+                tier=tier,
+                body_bytes=body_bytes,
+                path=path,
+                trace_id=trace_id,
+            )
         )
-        attempt = Attempt(request_id, tier, arrived, body_bytes, outcome, binding)
+        attempt = Attempt(request_id, tier, arrived, body_bytes, outcome, binding, None, trace_id)
         if not isinstance(outcome, Queued):
             self._conclude(attempt, arrived)  # at once: the same instant
         return attempt

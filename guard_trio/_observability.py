@@ -34,10 +34,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from guard_adapters.config import Backend, Settings
-from guard_core import GuardError
+from guard_adapters.exchange import refusal_counts
+from guard_adapters.outcome import Admission, Bridge, Disconnect, ExchangeOutcome
+from guard_core import GuardError, RejectCode
 from guard_core.evaluation import BackendPoll
 from guard_core.guard import GuardState
-from guard_core.lanes import Lane
+from guard_core.lanes import Lane, body_lane
 from guard_core.predictive import Binding
 from guard_core.tier import Tier
 from guard_trio._http import fetch
@@ -189,6 +191,12 @@ class GuardMetrics:
         self.priority_skipped = EventCounter()
         self.priority_failed = EventCounter()
         self.priority_rewrite_duration = EventHistogram(PRIORITY_REWRITE_BUCKETS_S)
+        self._priority_counters = {
+            "rewritten": self.priority_rewrites,
+            "skipped": self.priority_skipped,
+            "failed": self.priority_failed,
+        }
+        self._body_thresholds = settings.lane_thresholds.body
         # lanes, in PIG's order (global first)
         self.lanes = {lane: LaneMetrics(lane) for lane in Lane}
         # the predictive learner: 429s by the constraint that refused them
@@ -210,6 +218,86 @@ class GuardMetrics:
             # A backend without a metrics URL counts as failed but is not a fetch failure.
             if poll.sample is None and backend is not None and self._has_metrics_url(poll.name):
                 backend.poll_failed.inc()
+
+    def record_exchange(self, outcome: ExchangeOutcome) -> None:
+        """Count how one exchange ended (each fact of the outcome moves its counters once);
+        moments and levels (admissions accepted, in-flight gauges, keep-alive comments) are
+        counted by the proxy as they happen."""
+        if outcome.admitted_path:
+            self.lanes[body_lane(outcome.body_bytes, self._body_thresholds)].observe_body(
+                outcome.body_bytes
+            )
+        waited = outcome.waited_s
+        if outcome.decision_s is not None:
+            self.decision_duration.observe(outcome.decision_s)
+            if waited > 0:
+                self.queue_total.inc()
+                self.queue_wait.observe(waited)
+        if outcome.admission is Admission.ABANDONED:
+            self.queue_timeout.inc()
+        if outcome.disconnect is not None:
+            self.client_disconnects[outcome.disconnect.value].inc()
+            if outcome.disconnect is not Disconnect.QUEUE:
+                self.client_disconnect_upstream_cancellations.inc()
+        if outcome.code is not None and outcome.tier is not None:
+            queued = outcome.admission is Admission.REFUSED and waited > 0
+            self._count_refusal(outcome, outcome.tier, outcome.code, waited=queued)
+        if outcome.served_s is not None:
+            status = outcome.status
+            self.lanes[outcome.lane].complete(status, outcome.served_s)
+            self.lanes[Lane.GLOBAL].complete(status, outcome.served_s)
+        if outcome.overhead_s is not None:
+            self.internal_overhead.observe(outcome.overhead_s)
+        self._count_relay(outcome)
+        for name in outcome.priority:
+            self._priority_counters[name].inc()
+        if outcome.priority_rewrite_s is not None:
+            self.priority_rewrite_duration.observe(outcome.priority_rewrite_s)
+
+    def _count_refusal(
+        self, outcome: ExchangeOutcome, tier: Tier, code: RejectCode, *, waited: bool
+    ) -> None:
+        """PIG's reject accounting (spec 4.4), and the predictive learner's by constraint."""
+        counts = refusal_counts(tier, outcome.lane, code, waited=waited, binding=outcome.binding)
+        if counts.queue_timeout:
+            self.queue_timeout.inc()
+        if counts.binding is not None:
+            self.predictive_refusals[counts.binding].inc()
+        if counts.backend_unavailable:
+            self.backend_unavailable.inc()
+        if counts.tier is not None:
+            self.tier_rejected[counts.tier].inc()
+            self.rejected.inc()
+        if counts.lane is not None:
+            self.lanes[counts.lane].rejected.inc()
+
+    def _count_relay(self, outcome: ExchangeOutcome) -> None:
+        """What the backend side of an exchange did."""
+        if outcome.ttfb_s is not None:
+            self.proxy_ttfb.observe(outcome.ttfb_s)
+        if outcome.upstream_errors:
+            self.proxy_upstream_errors.inc(outcome.upstream_errors)
+        if outcome.mid_response_failure:
+            self.proxy_body_copy_errors.inc()
+        if outcome.keepalive_stream:
+            self.sse_keepalive_streams.inc()
+        bridge = outcome.bridge
+        if bridge is not None:
+            self.sse_bridge_streams.inc()
+            if bridge is Bridge.INVALID_UPSTREAM:
+                self.sse_bridge_invalid_upstream.inc()
+            elif bridge is Bridge.UPSTREAM_ERROR:
+                self.sse_bridge_upstream_errors.inc()
+        backend = self.backends.get(outcome.backend) if outcome.backend is not None else None
+        if backend is None:
+            return
+        backend.completed.inc()
+        if outcome.proxy_s is not None:
+            self.proxy_total_duration.observe(outcome.proxy_s)
+        if outcome.backend_failed:
+            backend.proxy_errors.inc()
+            if outcome.mid_response_failure:
+                backend.body_copy_errors.inc()
 
     def _has_metrics_url(self, name: str) -> bool:
         return any(b.name == name and b.metrics_url for b in self.settings.backends)

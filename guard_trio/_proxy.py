@@ -21,6 +21,8 @@ Guarantees:
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Callable
 from functools import partial
 
@@ -39,7 +41,6 @@ from guard_adapters.exchange import (
     content_length,
     first_header,
     header_values,
-    refusal_counts,
     route_path,
     token_digest,
     token_matches,
@@ -53,9 +54,15 @@ from guard_adapters.openai_body import (
     rewrite,
 )
 from guard_adapters.openai_body import plan as body_plan
+from guard_adapters.outcome import (
+    Admission,
+    Disconnect,
+    ExchangeNotes,
+    ExchangeOutcome,
+    client_trace_id,
+)
 from guard_core import (
     Arrived,
-    Binding,
     Lane,
     RejectCode,
     Rejected,
@@ -134,9 +141,14 @@ class ProxyApp:
         #: ``PIG_RETRY_AFTER_MODE=predicted``: an admission 429 says the learner's seconds.
         self.retry_after_predicted = settings.retry_after_predicted and self.retry_after is not None
         #: The 429's bytes by predicted Retry-After (None: the configured one).
-        self._refusals: dict[int | None, bytes] = {}
+        self._refusals: dict[int | None, tuple[bytes, bytes]] = {}
         #: :meth:`_admitted_route` by request target (routes are few; the cache is bounded).
         self._admitted_routes: dict[bytes, tuple[str, bool] | None] = {}
+        #: The guard's own request ids: a prefix random per process, then a count.
+        self._trace_prefix = f"ig-{os.urandom(4).hex()}-"
+        self._trace_numbers = itertools.count(1)
+        #: Told every exchange's outcome, once, in order: the metrics first.
+        self.outcome_listeners: list[Callable[[ExchangeOutcome], None]] = [metrics.record_exchange]
         self.attestation_enabled: bool = env.attestation_enabled
         self.attestation = AttestationHandler(settings)
         self.injection = settings.injection_policy()
@@ -186,16 +198,30 @@ class ProxyApp:
             return None, None
         tier = tier_from_header_values(request.values(b"x-user-tier"))
         length = request.body_length
-        attempt = self.engine.begin(tier, path=raw_path, body_bytes=length)
+        trace_id = self.trace_id(request.values(b"x-request-id"))
+        attempt = self.engine.begin(tier, path=raw_path, body_bytes=length, trace_id=trace_id)
         result = attempt.result
         if result is None or result.code is None:
             return attempt, None  # admitted or queued: the full path serves it
-        lane = body_lane(length, self.body_thresholds)
-        self.metrics.lanes[lane].observe_body(length)
         # The decision took from the attempt's arrival (engine time) to now.
-        self.count_decision(result, self.engine.started_at(attempt))
-        self.count_refusal(tier, lane, result.code, waited=False, binding=result.binding)
-        return None, self.refusal_bytes(result.retry_after_s)
+        started = self.engine.started_at(attempt)
+        self.hand_outcome(
+            ExchangeOutcome(
+                trace_id=trace_id,
+                request_id=attempt.request_id,
+                admitted_path=True,
+                tier=tier,
+                lane=body_lane(length, self.body_thresholds),
+                body_bytes=length,
+                admission=Admission.REFUSED,
+                code=result.code,
+                binding=result.binding,
+                decision_s=max(0.0, trio.current_time() - started),
+                status=429,
+            )
+        )
+        status_line, rest = self.refusal_bytes(result.retry_after_s)
+        return None, b"%sx-request-id: %s\r\n%s" % (status_line, trace_id.encode(), rest)
 
     def _admitted_route(self, target: bytes) -> tuple[str, bool] | None:
         """For a POST to ``target``: (the path the engine records, whether the API token is
@@ -208,15 +234,47 @@ class ProxyApp:
         token_checked = self.routes.needs_token(b"POST", path)
         return target.decode("latin-1").partition("?")[0], token_checked
 
-    def refusal_bytes(self, predicted_s: int | None) -> bytes:
-        """The whole 429 for a kept-alive connection, as :meth:`too_many_requests` sends it."""
+    def refusal_bytes(self, predicted_s: int | None) -> tuple[bytes, bytes]:
+        """The whole 429 for a kept-alive connection, as :meth:`too_many_requests` sends it but
+        for its ``X-Request-Id``: (its status line, the rest), for the id to go between."""
         answer = self._refusals.get(predicted_s)
         if answer is None:
             headers = self.refusal_headers(predicted_s)
-            answer = whole_response_bytes(429, headers, TOO_MANY_REQUESTS_BODY)
+            whole = whole_response_bytes(429, headers, TOO_MANY_REQUESTS_BODY)
+            split = whole.index(b"\r\n") + 2
+            answer = whole[:split], whole[split:]
             if len(self._refusals) < 64:  # predicted seconds are few; bound it all the same
                 self._refusals[predicted_s] = answer
         return answer
+
+    # -- the exchange's id and outcome ---------------------------------------------------------
+
+    def trace_id(self, values: list[bytes]) -> str:
+        """The request's ``X-Request-Id``: the client's when sane, else the guard's own."""
+        return client_trace_id(values) or f"{self._trace_prefix}{next(self._trace_numbers):x}"
+
+    def begin_exchange(
+        self, down: Downstream, request: h11.Request, begun: Attempt | None = None
+    ) -> None:
+        """Fresh notes for ``request``, with its id (a fast-read request's came with it)."""
+        trace_id = (
+            begun.trace_id
+            if begun is not None
+            else self.trace_id(header_values(list(request.headers), b"x-request-id"))
+        )
+        down.notes = ExchangeNotes(trace_id=trace_id)
+        down.exchange_open = True
+
+    def end_exchange(self, down: Downstream) -> None:
+        """Hand the outcome of ``down``'s exchange to every listener, once: as soon as its
+        response is done (before any other task runs), or when the server is done with it."""
+        if down.exchange_open:
+            down.exchange_open = False
+            self.hand_outcome(down.notes.outcome())
+
+    def hand_outcome(self, outcome: ExchangeOutcome) -> None:
+        for listener in self.outcome_listeners:
+            listener(outcome)
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         """Exactly one Authorization header, equal in constant time to ``Bearer <TOKEN>``."""
@@ -329,14 +387,15 @@ class ProxyApp:
         tier = tier_from_header_values(header_values(headers, b"x-user-tier"))
         length = content_length(headers)
         lane = body_lane(length, self.body_thresholds)
-        self.metrics.lanes[lane].observe_body(length)
+        notes = down.notes
+        notes.admitted_path, notes.tier, notes.lane, notes.body_bytes = True, tier, lane, length
         path = request.target.decode("latin-1").partition("?")[0]
         # A short body costs nothing to read (a refusal drops it anyway and keeps the
         # connection); a long one, or one the classifier would parse, is worth a peek first.
         worth_a_peek = length is None or length > EARLY_DRAIN_BYTES or self.classify
         if begun is None and worth_a_peek and self.refused_at_once(tier, length):
             # Decided from the head alone: the body is neither read nor parsed for a 429.
-            await self.refuse_early(down, tier, lane, path=path, length=length)
+            await self.refuse_early(down, tier, path=path, length=length)
             return
         body: list[bytes] | None = None
         # A client waiting for 100 Continue gets it only once admitted (the body is read then).
@@ -349,6 +408,7 @@ class ProxyApp:
         output_tokens = self.output_intent(lane, length, body)
         if output_tokens is not None:
             lane = combine_lanes(lane, output_lane(output_tokens, self.current_output_thresholds()))
+            notes.lane = lane
         started = trio.current_time()
         result: AdmissionResult | None = None
         with trio.CancelScope() as client_scope:
@@ -357,11 +417,14 @@ class ProxyApp:
                 # a closed client cancels everything: the wait, the upstream exchange.
                 nursery.start_soon(down.watch_for_disconnect, client_scope)
                 if begun is None:
-                    result = await self.engine.admit(tier, path=path, body_bytes=length)
-                else:
-                    result = await self.engine.settle(begun)
-                self.count_decision(result, started)
+                    begun = self.engine.begin(
+                        tier, path=path, body_bytes=length, trace_id=notes.trace_id
+                    )
+                notes.request_id = begun.request_id
+                result = await self.engine.settle(begun)
+                self.note_decision(notes, result, started)
                 if result.slot is not None:
+                    notes.admission = Admission.ADMITTED
                     await self.serve_slot(
                         down,
                         request,
@@ -372,14 +435,16 @@ class ProxyApp:
                         started=started,
                         output_tokens=output_tokens,
                     )
+                    self.end_exchange(down)  # before the watcher's cancellation yields
                 nursery.cancel_scope.cancel()
         if result is None:  # the client left while waiting
-            self.metrics.disconnect_queue.inc()
-            self.metrics.queue_timeout.inc()
+            notes.admission, notes.disconnect = Admission.ABANDONED, Disconnect.QUEUE
             return
         if result.code is not None and not down.gone:
-            self.count_refusal(
-                tier, lane, result.code, waited=result.waited_s > 0, binding=result.binding
+            notes.admission, notes.code, notes.binding = (
+                Admission.REFUSED,
+                result.code,
+                result.binding,
             )
             await self.discard_remaining(down)
             await self.too_many_requests(down, result.retry_after_s)
@@ -396,28 +461,29 @@ class ProxyApp:
         return isinstance(step.outcome, Rejected)
 
     async def refuse_early(
-        self, down: Downstream, tier: Tier, lane: Lane, *, path: str, length: int | None
+        self, down: Downstream, tier: Tier, *, path: str, length: int | None
     ) -> None:
         """The 429 of :meth:`refused_at_once`, through the engine (recorded and counted as any
         refusal); a short body is dropped, a longer one left unread and the connection closed."""
         started = trio.current_time()
+        notes = down.notes
         # Nothing awaited since the peek: the same state gives the same immediate refusal.
-        result = await self.engine.admit(tier, path=path, body_bytes=length)
+        attempt = self.engine.begin(tier, path=path, body_bytes=length, trace_id=notes.trace_id)
+        result = await self.engine.settle(attempt)
         if result.slot is not None:  # pragma: no cover - the reducer is deterministic
             result.slot.release(0)
-        self.count_decision(result, started)
-        code = result.code or RejectCode.GLOBAL_DYNAMIC_LIMIT
-        self.count_refusal(tier, lane, code, waited=False, binding=result.binding)
+        notes.request_id = attempt.request_id
+        self.note_decision(notes, result, started)
+        notes.admission = Admission.REFUSED
+        notes.code = result.code or RejectCode.GLOBAL_DYNAMIC_LIMIT
+        notes.binding = result.binding
         await self.discard_remaining(down)
         await self.too_many_requests(down, result.retry_after_s)
 
-    def count_decision(self, result: AdmissionResult, started: float) -> None:
-        metrics = self.metrics
-        decided = trio.current_time()
-        metrics.decision_duration.observe(max(0.0, decided - started - result.waited_s))
-        if result.waited_s > 0:
-            metrics.queue_total.inc()
-            metrics.queue_wait.observe(result.waited_s)
+    @staticmethod
+    def note_decision(notes: ExchangeNotes, result: AdmissionResult, started: float) -> None:
+        notes.waited_s = result.waited_s
+        notes.decision_s = max(0.0, trio.current_time() - started - result.waited_s)
 
     async def serve_slot(
         self,
@@ -434,7 +500,9 @@ class ProxyApp:
         """Forward an admitted request; account for it and release its slot on every path."""
         slot = result.slot
         assert slot is not None
+        notes = down.notes
         metrics = self.metrics
+        # Moments and levels, not outcomes: counted as they happen.
         metrics.tier_accepted[slot.tier].inc()
         lanes = (metrics.lanes[lane], metrics.lanes[Lane.GLOBAL])
         for counted in lanes:
@@ -450,7 +518,7 @@ class ProxyApp:
             slot_free=self.rewrites_in_flight < self.injection.rewrite_limit,
         )
         for name in plan.counts:
-            self.count_priority(name)
+            notes.note_priority(name)
         try:
             if plan.uses_slot:
                 self.rewrites_in_flight += 1
@@ -467,9 +535,8 @@ class ProxyApp:
                 status = 400
                 return
             if rewritten is _REFUSE:
-                self.count_refusal(
-                    slot.tier, lane, RejectCode.BACKEND_PRIORITY_INJECTION, waited=False
-                )
+                notes.code = RejectCode.BACKEND_PRIORITY_INJECTION
+                self.engine.refused_after_admission(slot.tier)
                 await self.discard_remaining(down)
                 await self.too_many_requests(down)
                 status = 429
@@ -488,13 +555,11 @@ class ProxyApp:
         finally:
             slot.release(status)
             ended = trio.current_time()
-            elapsed = ended - started
-            metrics.internal_overhead.observe(
-                max(0.0, elapsed - result.waited_s - (ended - decided))
-            )
+            notes.served_s = elapsed = ended - started
+            notes.overhead_s = max(0.0, elapsed - result.waited_s - (ended - decided))
+            notes.status = 499 if down.gone else status
             for counted in lanes:
                 counted.inflight.dec()
-                counted.complete(499 if down.gone else status, elapsed)
 
     def output_intent(self, lane: Lane, length: int | None, body: list[bytes] | None) -> int | None:
         """Spec 6.4: the requested output tokens, when classification is on and the body is read."""
@@ -515,14 +580,6 @@ class ProxyApp:
         return state.traffic.adaptive.effective(
             self.adaptive_config, state.published.decision.state
         )
-
-    def count_priority(self, name: str) -> None:
-        counter = {
-            "rewritten": self.metrics.priority_rewrites,
-            "skipped": self.metrics.priority_skipped,
-            "failed": self.metrics.priority_failed,
-        }[name]
-        counter.inc()
 
     async def rewrite_body(
         self, down: Downstream, plan: Plan, body: list[bytes] | None, length: int | None
@@ -551,39 +608,13 @@ class ProxyApp:
         except BodyRewriteError:
             counter = plan.outcome_counter(ok=False)
             if counter is not None:
-                self.count_priority(counter)
+                down.notes.note_priority(counter)
             return body if plan.fail_open else _REFUSE
         counter = plan.outcome_counter(ok=True)
         if counter is not None:
-            self.count_priority(counter)
-            self.metrics.priority_rewrite_duration.observe(trio.current_time() - started)
+            down.notes.note_priority(counter)
+            down.notes.priority_rewrite_s = trio.current_time() - started
         return [new]
-
-    def count_refusal(
-        self,
-        tier: Tier,
-        lane: Lane,
-        code: RejectCode,
-        *,
-        waited: bool,
-        binding: Binding | None = None,
-    ) -> None:
-        """PIG's reject accounting (spec 4.4), and the predictive learner's by constraint."""
-        metrics = self.metrics
-        counts = refusal_counts(tier, lane, code, waited=waited, binding=binding)
-        if counts.queue_timeout:
-            metrics.queue_timeout.inc()
-        if counts.binding is not None:
-            metrics.predictive_refusals[counts.binding].inc()
-        if counts.backend_unavailable:
-            metrics.backend_unavailable.inc()
-        if code is RejectCode.BACKEND_PRIORITY_INJECTION:
-            self.engine.refused_after_admission(tier)
-        if counts.tier is not None:
-            metrics.tier_rejected[counts.tier].inc()
-            metrics.rejected.inc()
-        if counts.lane is not None:
-            metrics.lanes[counts.lane].rejected.inc()
 
     async def discard_remaining(self, down: Downstream) -> None:
         if down.h11.their_state is h11.SEND_BODY:

@@ -39,13 +39,13 @@ from guard_adapters.exchange import (
     without_length,
 )
 from guard_adapters.openai_body import StreamingRewriter
+from guard_adapters.outcome import Bridge, Disconnect
 from guard_adapters.sse import FirstUsefulEventScanner, is_streaming_request
 from guard_core import Lane, Tier
 from guard_core.backend_choice import backend_views, choose_backend
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
 from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
 from guard_trio._engine import Slot
-from guard_trio._observability import BackendMetrics
 from guard_trio._upstream import (
     IdleGuard,
     UpstreamConnection,
@@ -146,11 +146,13 @@ class Relay:
                 lane=lane,
                 body_length=body_length,
                 output_tokens=output_tokens,
+                trace_id=down.notes.trace_id.encode(),
             ),
         )
-        backend = self.backend_metrics[index]
+        notes = down.notes
+        notes.backend = target.name
         self.engine.forwarded(target.name)
-        backend.accepted.inc()
+        self.backend_metrics[index].accepted.inc()  # a moment, not an outcome: counted now
         status = 0
         bridge = (
             self.sse_early_bridge
@@ -189,7 +191,7 @@ class Relay:
                             and down.can_respond
                         ):
                             continue
-                        return await self.upstream_failed(down, backend)
+                        return await self.upstream_failed(down)
             if deadline.cancelled_caught:
                 if down.can_respond:
                     await self.app.discard_remaining(down)
@@ -197,14 +199,11 @@ class Relay:
                     return 429
                 raise ResponseAborted("PROXY_TIMEOUT_SECONDS reached mid-response")
         except ClientGone:
-            phase = self.metrics.disconnect_response if status else self.metrics.disconnect_upstream
-            phase.inc()
-            self.metrics.client_disconnect_upstream_cancellations.inc()
+            notes.disconnect = Disconnect.RESPONSE if status else Disconnect.UPSTREAM
             raise
         finally:
             self.engine.finished(target.name)
-            backend.completed.inc()
-            self.metrics.proxy_total_duration.observe(trio.current_time() - proxy_started)
+            notes.proxy_s = trio.current_time() - proxy_started
         return status
 
     async def send_body(
@@ -238,22 +237,22 @@ class Relay:
                     await up.send(h11.Data(data=tail))
         except BodyRewriteError as exc:
             # PIG surfaces a failed streaming rewrite as a broken request body: an upstream error.
-            self.app.count_priority("failed")
+            down.notes.note_priority("failed")
             raise UpstreamError(f"request body rewrite failed: {exc}") from None
         if rewriter is not None:
-            self.app.count_priority("rewritten")
+            down.notes.note_priority("rewritten")
         await up.send(h11.EndOfMessage())
 
-    async def upstream_failed(self, down: Downstream, backend: BackendMetrics) -> int:
+    async def upstream_failed(self, down: Downstream) -> int:
         """The backend failed: a 429 if the client has seen nothing yet, else cut the response."""
-        self.metrics.proxy_upstream_errors.inc()
-        backend.proxy_errors.inc()
+        notes = down.notes
+        notes.upstream_errors += 1
+        notes.backend_failed = True
         if down.can_respond:
             await self.app.discard_remaining(down)
             await self.app.too_many_requests(down)
             return 429
-        self.metrics.proxy_body_copy_errors.inc()
-        backend.body_copy_errors.inc()
+        notes.mid_response_failure = True
         raise ResponseAborted("upstream broke mid-response")
 
     async def relay_response(
@@ -308,10 +307,9 @@ class Relay:
             )
         scanner = FirstUsefulEventScanner() if slot is not None and plan.event_stream else None
         keepalive = plan.keepalive
-        if keepalive:
-            self.metrics.sse_keepalive_streams.inc()
-        head = h11.Response(status_code=status, headers=headers, reason=event.reason)
-        self.metrics.proxy_ttfb.observe(trio.current_time() - started)
+        down.notes.keepalive_stream = keepalive
+        head = down.head(status, headers, event.reason)
+        down.notes.ttfb_s = trio.current_time() - started
         await self.relay_body(
             down, up, event, head, method=method, scanner=scanner, slot=slot, keepalive=keepalive
         )
@@ -350,7 +348,7 @@ class Relay:
 
     async def head_timed_out(self, down: Downstream) -> int:
         """The backend sent no response head within its budget: 504, the connection closed."""
-        self.metrics.proxy_upstream_errors.inc()
+        down.notes.upstream_errors += 1
         if not down.can_respond:
             raise ResponseAborted("no response head from the backend in time")
         await self.app.discard_remaining(down)
@@ -391,29 +389,29 @@ class Relay:
         method: bytes,
     ) -> int:
         """The early bridge: a 200 stream with a comment now, the backend events once it answers."""
-        metrics = self.metrics
-        metrics.sse_bridge_streams.inc()
-        metrics.sse_keepalive_streams.inc()
-        metrics.sse_keepalive_comments.inc()
-        metrics.proxy_ttfb.observe(trio.current_time() - started)
-        head = h11.Response(status_code=200, headers=_BRIDGE_HEADERS, reason=b"OK")
+        notes = down.notes
+        notes.bridge = Bridge.OPENED
+        notes.keepalive_stream = True
+        self.metrics.sse_keepalive_comments.inc()  # comments are counted as they go out
+        notes.ttfb_s = trio.current_time() - started
+        head = down.head(200, _BRIDGE_HEADERS, b"OK")
         await down.send(head, h11.Data(data=KEEPALIVE_COMMENT))
         event: h11.Response | None = None
         try:
             with trio.move_on_at(head_deadline):
                 event = await up.read_head()
             if event is None:
-                self.metrics.proxy_upstream_errors.inc()
+                notes.upstream_errors += 1
                 raise ResponseAborted("no response head from the backend in time")
             content_type = next((v for k, v in event.headers if k == b"content-type"), b"")
             if event.status_code != 200 or b"text/event-stream" not in content_type.lower():
-                metrics.sse_bridge_invalid_upstream.inc()
+                notes.bridge = Bridge.INVALID_UPSTREAM
                 while not isinstance(await up.next_event(), h11.EndOfMessage):
                     pass  # the body is discarded; the client gets an empty stream
                 await down.send(h11.EndOfMessage())
                 return 200
         except UpstreamError:
-            metrics.sse_bridge_upstream_errors.inc()
+            notes.bridge = Bridge.UPSTREAM_ERROR
             await down.send(h11.EndOfMessage())
             return 200
         await self.relay_body(
@@ -444,7 +442,7 @@ class Relay:
             elif isinstance(part, h11.EndOfMessage):
                 complete = True
                 break
-        self.metrics.proxy_ttfb.observe(trio.current_time() - started)
+        down.notes.ttfb_s = trio.current_time() - started
         if complete:
             body = b"".join(chunks)
             rewritten = reclassify(status, content_type, body)
@@ -455,7 +453,7 @@ class Relay:
             return status
         # Longer than 64 KiB: pass it through untouched, the part already read first.
         await down.send(
-            h11.Response(status_code=status, headers=headers, reason=event.reason),
+            down.head(status, headers, event.reason),
             h11.Data(data=b"".join(chunks)),
         )
         with IdleGuard(self.upstream_idle_timeout_s) as guard:

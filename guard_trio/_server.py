@@ -30,6 +30,7 @@ import trio
 
 from guard_adapters.config import Settings
 from guard_adapters.exchange import openai_error
+from guard_adapters.outcome import ExchangeNotes
 from guard_adapters.status_line import runtime_counts, startup_line, status_line
 from guard_trio import __version__
 from guard_trio._downstream import (
@@ -215,12 +216,16 @@ class GuardServer:
             if request is None:
                 return False
             down.closing = down.closing or self.draining
+            self.app.begin_exchange(down, request, begun)
             try:
                 down.begin_body(request)
             except BodyRefused as refused:
                 await _refuse_body(down, refused)
                 return False
-            await self.serve_request(down, request, begun)
+            else:
+                await self.serve_request(down, request, begun)
+            finally:
+                self.app.end_exchange(down)
         finally:
             if begun is not None:
                 self.app.engine.abandon(begun)  # a no-op once served: a slot is released once
@@ -242,6 +247,7 @@ class GuardServer:
             try:
                 return await down.next_request(max(0.0, deadline - trio.current_time()))
             except RefusedRequest as refused:
+                down.notes = ExchangeNotes(trace_id=self.app.trace_id([]))
                 if down.can_respond:
                     body = _REASONS.get(refused.status, b"bad request\n")
                     headers = [(b"content-type", b"text/plain"), (b"connection", b"close")]

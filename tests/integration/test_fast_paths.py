@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from typing import Any
 
@@ -97,7 +98,26 @@ def _post(body: bytes, *extra: bytes) -> bytes:
     return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
 
 
-async def _answers(sock: trio.SocketStream, count: int) -> list[bytes]:
+_ID_LINE = re.compile(rb"\r\nx-request-id: ([^\r]*)")
+
+
+async def _answers(
+    sock: trio.SocketStream, count: int, ids: list[bytes] | None = None
+) -> list[bytes]:
+    """``count`` whole Content-Length answers, as the bytes that came but for the one
+    ``X-Request-Id`` line each must have (its value goes to ``ids``)."""
+    answers = await _raw_answers(sock, count)
+    stripped = []
+    for answer in answers:
+        found = _ID_LINE.findall(answer.split(b"\r\n\r\n")[0])
+        assert len(found) == 1, answer
+        if ids is not None:
+            ids.append(found[0])
+        stripped.append(_ID_LINE.sub(b"", answer, count=1))
+    return stripped
+
+
+async def _raw_answers(sock: trio.SocketStream, count: int) -> list[bytes]:
     """``count`` whole Content-Length answers, as the bytes that came."""
     buffer, answers = b"", list[bytes]()
     with trio.fail_after(10):
@@ -134,10 +154,12 @@ async def test_refusals_at_once_keep_the_connection_and_match_the_full_path(
         body = b'{"model":"m","messages":[]}'
         # Fifty refusals on one connection, pipelined ten at a time; then one that takes the
         # full path (a Connection header needs h11's judgement) on the same connection.
+        ids: list[bytes] = []
         for _ in range(5):
             await sock.send_all(_post(body) * 10)
-            answers = await _answers(sock, 10)
+            answers = await _answers(sock, 10, ids)
             assert len(set(answers)) == 1
+        assert len(set(ids)) == 50  # every answer names its own request
         fast = answers[0]
         await sock.send_all(_post(body, b"Connection: keep-alive\r\n"))
         (full,) = await _answers(sock, 1)
