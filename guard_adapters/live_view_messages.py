@@ -149,10 +149,10 @@ def tier_key(tier: str) -> tuple[int, str]:
 
 
 def read_texts(value: object) -> tuple[str, ...]:
-    """The texts of a JSON list (other items skipped); empty when ``value`` is no list."""
+    """The non-empty texts of a JSON list (other items skipped); empty when ``value`` is none."""
     if not isinstance(value, list):
         return ()
-    return tuple(text for item in value if (text := read_text(item)) is not None)
+    return tuple(text for item in value if (text := read_text(item)))
 
 
 def _pair(value: object, key: str) -> float | None:
