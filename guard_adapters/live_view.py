@@ -77,7 +77,7 @@ class LiveView:
     """What the stream said so far, bounded: the view the screen and the line are drawn from."""
 
     #: How many decisions and admissions are kept (newest last).
-    decision_limit: int = 20
+    decision_limit: int = 50
     admission_limit: int = 100
     #: The span the tier rates are measured over.
     rate_window_s: float = 5.0

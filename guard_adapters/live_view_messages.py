@@ -12,8 +12,8 @@ Guarantees:
   width on a terminal;
 - tier counts are kept in the order :func:`tier_key` gives (basic, premium, then by name);
 - :func:`events_url` turns an admin plane URL (``http``, ``https``, ``ws``, ``wss``) into the
-  WebSocket URL of ``/admin/events`` with the query string, or raises :class:`ValueError`
-  saying what is wrong.
+  WebSocket URL of ``/admin/events`` with the query string (and without any ``user:password@``
+  part), or raises :class:`ValueError` saying what is wrong.
 """
 
 from __future__ import annotations
@@ -259,4 +259,7 @@ def events_url(base: str, *, kinds: Sequence[str] = (), sample: float | None = N
         query.append(("kinds", ",".join(dict.fromkeys(kinds))))
     if sample is not None:
         query.append(("sample", f"{sample:g}"))
-    return urlunsplit((scheme, parts.netloc, path, urlencode(query, safe=","), ""))
+    # Any user:password part is left out: the token travels in a header, never in the URL.
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    netloc = host if port is None else f"{host}:{port}"
+    return urlunsplit((scheme, netloc, path, urlencode(query, safe=","), ""))

@@ -444,7 +444,8 @@ def test_text_that_is_not_json_decodes_to_nothing(text: str | bytes) -> None:
         ("http://127.0.0.1:9000/", "ws://127.0.0.1:9000/admin/events"),
         ("https://guard.example/admin", "wss://guard.example/admin/events"),
         ("ws://[::1]:9000/admin/events", "ws://[::1]:9000/admin/events"),
-        ("WSS://h:1/prefix/", "wss://h:1/prefix/admin/events"),
+        ("WSS://H:1/prefix/", "wss://h:1/prefix/admin/events"),
+        ("http://user:secret@h:9000", "ws://h:9000/admin/events"),
     ],
 )
 def test_the_events_url(base: str, expected: str) -> None:
