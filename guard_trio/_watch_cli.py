@@ -6,18 +6,20 @@ sent as ``Authorization: Bearer`` in the WebSocket handshake), the admin plane's
 
 Guarantees:
 
-- on a terminal: the full screen of :func:`guard_adapters.live_view.screen`, redrawn in place
-  (cursor home, each line erased to its end, the rest of the screen erased) at most four times
-  a second and only when something changed or the terminal was resized, on the alternate screen
-  with the cursor hidden; both are restored on every way out (the end of the stream, Ctrl-C,
-  SIGTERM, a fault), and the last compact line is then printed on the normal screen;
+- on a terminal, once connected: the full screen of :func:`guard_adapters.live_view.screen`,
+  redrawn in place (cursor home, each line erased to its end, the rest of the screen erased)
+  at most four times a second and only when something changed or the terminal was resized, on
+  the alternate screen with the cursor hidden; both are restored on every way out (the end of
+  the stream, Ctrl-C, SIGTERM, a fault), and the last compact line is then printed on the
+  normal screen;
 - not on a terminal: one :func:`guard_adapters.live_view.compact_line` a second, and one more
   at the end; with ``--json``: each message that is JSON as one line as it comes, flushed (its
   text as received, re-encoded compactly only when it spanned lines);
-- ``--count N`` stops after N messages, ``--duration S`` after S seconds; both exit 0;
+- ``--count N`` stops after N messages, ``--duration S`` S seconds after connecting; both
+  exit 0;
 - every fault is one line on stderr, never a traceback: 2 for what the command line must fix
-  (a bad URL, an unreadable or empty token file, a token refused with 401 or 403), 1 for a
-  guard that cannot be reached, answers without an event stream or closes the stream;
+  (a bad URL, an unreadable or empty token file, a token missing or refused: 401 or 403), 1 for
+  a guard that cannot be reached, answers without an event stream or closes the stream;
   Ctrl-C and SIGTERM stop the view and exit 0.
 """
 
@@ -120,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--duration",
         type=number(lambda x: x > 0, "above 0"),
         metavar="S",
-        help="stop after S seconds",
+        help="stop S seconds after connecting",
     )
 
 
@@ -165,8 +167,7 @@ def _headers(token: str) -> list[tuple[bytes, bytes]]:
 # -- drawing -----------------------------------------------------------------------------------
 
 
-def _frame(view: LiveView) -> str:
-    size = shutil.get_terminal_size()
+def _frame(view: LiveView, size: os.terminal_size) -> str:
     lines = screen(view, size.columns, size.lines)
     return "\x1b[H" + "\x1b[K\n".join(lines) + "\x1b[K\x1b[J"
 
@@ -177,7 +178,7 @@ async def _draw_screens(shown: _Shown, out: IO[str]) -> None:
         size = shutil.get_terminal_size()
         if shown.changed or size != drawn_size:
             shown.changed, drawn_size = False, size
-            out.write(_frame(shown.view))
+            out.write(_frame(shown.view, size))
             out.flush()
         await trio.sleep(_FRAME_S)
 
