@@ -307,7 +307,7 @@ def _tier_lines(view: LiveView) -> list[str]:
 def _speed_line(decision: Decision | None) -> str:
     d = decision or Decision()
     return (
-        f"tok/s per user  observed {_fig(d.tps_observed)}  predicted {_fig(d.tps_predicted)}"
+        f"tok/s  observed {_fig(d.tps_observed)}  predicted {_fig(d.tps_predicted)}"
         f"    TTFT s  observed {_fig(d.ttft_observed_s, 2)}"
         f"  predicted {_fig(d.ttft_predicted_s, 2)}"
     )
