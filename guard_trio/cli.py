@@ -1,6 +1,6 @@
 """The ``inference-guard`` command line.
 
-Reads: the command line. ``serve``, ``replay`` and ``record`` come from ``guard_trio``;
+Reads: the command line. ``serve``, ``replay``, ``record`` and ``watch`` come from ``guard_trio``;
 ``sim-backend``, ``simulate`` and ``demo`` from :mod:`guard_trio.tools`, which the serving path
 never imports. Each subcommand's module adds its arguments (``add_arguments``) and runs it
 (``run``, returning the exit status); the names, help lines and descriptions are one table here.
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Final, Protocol
 
-from guard_trio import __version__, _record, _replay_cli, _serve_cli
+from guard_trio import __version__, _record, _replay_cli, _serve_cli, _watch_cli
 from guard_trio.tools import _demo_cli, _sim_backend_cli, _simulate_cli
 
 
@@ -48,6 +48,14 @@ _COMMANDS: Final[tuple[tuple[str, _Command, str, str], ...]] = (
         _record,
         "record backends' metrics pages into a recording (no proxy)",
         "Poll one or more /metrics URLs and write what the learner reads to FILE.",
+    ),
+    (
+        "watch",
+        _watch_cli,
+        "a live view of a guard's admin plane in the terminal",
+        "Connect to the admin plane's event stream (URL/admin/events, with the TOKEN) and show"
+        " the guard's decisions and admissions as they happen: a full screen redrawn in place"
+        " on a terminal, one line a second otherwise, or each message as a JSON line (--json).",
     ),
     (
         "sim-backend",
