@@ -226,6 +226,30 @@ class Routes:
         """Whether :meth:`route` would ask for the token for this request."""
         return method == b"POST" and self.api_auth and self.auth.matches(path)
 
+    def admitted_post(self, target: bytes) -> tuple[str, bool] | None:
+        """For a POST to ``target``: (the path the engine records, whether the API token is
+        checked) when :meth:`route` gives :attr:`Route.ADMITTED` to it with the token; None for
+        every other route."""
+        path = route_path(target)
+        if path is None or self.route(b"POST", path, upgrade=False, authorized=True) is not (
+            Route.ADMITTED
+        ):
+            return None
+        return target.decode("latin-1").partition("?")[0], self.needs_token(b"POST", path)
+
+
+def refusal_headers(
+    retry_after: bytes | None, predicted_s: int | None
+) -> tuple[tuple[bytes, bytes], ...]:
+    """The 429's headers: ``Retry-After`` says ``predicted_s`` when given (the predicted mode),
+    else ``retry_after`` (``PIG_RETRY_AFTER_SECONDS``), and is left out when neither is."""
+    json = (b"content-type", b"application/json")
+    if predicted_s is not None:
+        return (json, (b"retry-after", str(predicted_s).encode()))
+    if retry_after is not None:
+        return (json, (b"retry-after", retry_after))
+    return (json,)
+
 
 # -- the token ---------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ Guarantees:
 from __future__ import annotations
 
 import enum
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -33,6 +34,7 @@ __all__ = (
     "Disconnect",
     "ExchangeNotes",
     "ExchangeOutcome",
+    "TraceIds",
     "client_trace_id",
 )
 
@@ -131,6 +133,20 @@ class ExchangeOutcome(ExchangeNotes):
 
 
 _FIELDS = attrs.fields(ExchangeNotes)
+
+
+class TraceIds:
+    """The ids of requests: the client's (:func:`client_trace_id`) or the guard's own, a
+    per-process ``prefix`` (the shell draws it at random) and a count in hexadecimal."""
+
+    __slots__ = ("_numbers", "_prefix")
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = f"ig-{prefix}-"
+        self._numbers = itertools.count(1)
+
+    def __call__(self, values: Sequence[bytes]) -> str:
+        return client_trace_id(values) or f"{self._prefix}{next(self._numbers):x}"
 
 
 def client_trace_id(values: Sequence[bytes]) -> str | None:

@@ -21,7 +21,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable
 from functools import partial
@@ -45,6 +44,7 @@ from guard_adapters.exchange import (
     token_digest,
     token_matches,
 )
+from guard_adapters.exchange import refusal_headers as standard_refusal_headers
 from guard_adapters.http_head import SimpleRequest
 from guard_adapters.openai_body import (
     Plan,
@@ -59,7 +59,7 @@ from guard_adapters.outcome import (
     Disconnect,
     ExchangeNotes,
     ExchangeOutcome,
-    client_trace_id,
+    TraceIds,
 )
 from guard_core import (
     Arrived,
@@ -142,11 +142,10 @@ class ProxyApp:
         self.retry_after_predicted = settings.retry_after_predicted and self.retry_after is not None
         #: The 429's bytes by predicted Retry-After (None: the configured one).
         self._refusals: dict[int | None, tuple[bytes, bytes]] = {}
-        #: :meth:`_admitted_route` by request target (routes are few; the cache is bounded).
+        #: ``Routes.admitted_post`` by request target (routes are few; the cache is bounded).
         self._admitted_routes: dict[bytes, tuple[str, bool] | None] = {}
-        #: The guard's own request ids: a prefix random per process, then a count.
-        self._trace_prefix = f"ig-{os.urandom(4).hex()}-"
-        self._trace_numbers = itertools.count(1)
+        #: The request's ``X-Request-Id``: the client's when sane, else the guard's own.
+        self.trace_id = TraceIds(os.urandom(4).hex())
         #: Told every exchange's outcome, once, in order: the metrics first.
         self.outcome_listeners: list[Callable[[ExchangeOutcome], None]] = [metrics.record_exchange]
         self.attestation_enabled: bool = env.attestation_enabled
@@ -169,11 +168,8 @@ class ProxyApp:
         await down.respond(429, list(self.refusal_headers(predicted_s)), TOO_MANY_REQUESTS_BODY)
 
     def refusal_headers(self, predicted_s: int | None) -> tuple[tuple[bytes, bytes], ...]:
-        if predicted_s is not None and self.retry_after_predicted:
-            return (_JSON, (b"retry-after", str(predicted_s).encode()))
-        if self.retry_after is not None:
-            return (_JSON, (b"retry-after", self.retry_after))
-        return (_JSON,)
+        predicted = predicted_s if self.retry_after_predicted else None
+        return standard_refusal_headers(self.retry_after, predicted)
 
     def admit_simple(self, request: SimpleRequest) -> tuple[Attempt | None, bytes | None]:
         """The fast reader's request: answered here when it is an admission that is refused at
@@ -188,7 +184,7 @@ class ProxyApp:
         if request.target in routes:
             route = routes[request.target]
         else:
-            route = self._admitted_route(request.target)
+            route = self.routes.admitted_post(request.target)
             if len(routes) < _ROUTE_CACHE_SIZE:
                 routes[request.target] = route
         if route is None:
@@ -223,17 +219,6 @@ class ProxyApp:
         status_line, rest = self.refusal_bytes(result.retry_after_s)
         return None, b"%sx-request-id: %s\r\n%s" % (status_line, trace_id.encode(), rest)
 
-    def _admitted_route(self, target: bytes) -> tuple[str, bool] | None:
-        """For a POST to ``target``: (the path the engine records, whether the API token is
-        checked) when :meth:`handle` would send it to :meth:`admitted` given the token; None
-        for every other route."""
-        path = route_path(target)
-        route = self.routes.route(b"POST", path, upgrade=False, authorized=True)
-        if path is None or route is not Route.ADMITTED:
-            return None
-        token_checked = self.routes.needs_token(b"POST", path)
-        return target.decode("latin-1").partition("?")[0], token_checked
-
     def refusal_bytes(self, predicted_s: int | None) -> tuple[bytes, bytes]:
         """The whole 429 for a kept-alive connection, as :meth:`too_many_requests` sends it but
         for its ``X-Request-Id``: (its status line, the rest), for the id to go between."""
@@ -248,10 +233,6 @@ class ProxyApp:
         return answer
 
     # -- the exchange's id and outcome ---------------------------------------------------------
-
-    def trace_id(self, values: list[bytes]) -> str:
-        """The request's ``X-Request-Id``: the client's when sane, else the guard's own."""
-        return client_trace_id(values) or f"{self._trace_prefix}{next(self._trace_numbers):x}"
 
     def begin_exchange(
         self, down: Downstream, request: h11.Request, begun: Attempt | None = None
@@ -308,7 +289,7 @@ class ProxyApp:
         elif route is Route.FORWARD:
             await self.relay.forward(down, request, headers, slot=None, tier=None)
         else:
-            await self.discard_body(down)
+            await down.skip_body()
             await self.answer_own(down, route, request, headers)
 
     async def answer_own(
@@ -353,11 +334,6 @@ class ProxyApp:
                 else await backend_pages(self.local_metrics(), self.settings.backends)
             )
             await down.respond(200, [(b"content-type", self.metrics_content_type)], page)
-
-    async def discard_body(self, down: Downstream) -> None:
-        """The body is not needed (an early response follows): a short one is read and dropped,
-        a longer one is left unread and the connection closes after the response."""
-        await down.skip_body()
 
     async def read_body(self, down: Downstream, limit: int) -> tuple[list[bytes], bool]:
         """Read up to ``limit`` bytes of body; returns (chunks, complete)."""
@@ -446,7 +422,7 @@ class ProxyApp:
                 result.code,
                 result.binding,
             )
-            await self.discard_remaining(down)
+            await down.skip_body()
             await self.too_many_requests(down, result.retry_after_s)
 
     def refused_at_once(self, tier: Tier, length: int | None) -> bool:
@@ -477,7 +453,7 @@ class ProxyApp:
         notes.admission = Admission.REFUSED
         notes.code = result.code or RejectCode.GLOBAL_DYNAMIC_LIMIT
         notes.binding = result.binding
-        await self.discard_remaining(down)
+        await down.skip_body()
         await self.too_many_requests(down, result.retry_after_s)
 
     @staticmethod
@@ -530,14 +506,14 @@ class ProxyApp:
                     self.rewrites_in_flight -= 1
                     metrics.priority_rewrite_inflight.dec()
             if rewritten is _BAD_ENCODING:
-                await self.discard_remaining(down)
+                await down.skip_body()
                 await down.respond(400, [_JSON], BAD_ENCODING_BODY)
                 status = 400
                 return
             if rewritten is _REFUSE:
                 notes.code = RejectCode.BACKEND_PRIORITY_INJECTION
                 self.engine.refused_after_admission(slot.tier)
-                await self.discard_remaining(down)
+                await down.skip_body()
                 await self.too_many_requests(down)
                 status = 429
                 return
@@ -615,7 +591,3 @@ class ProxyApp:
             down.notes.note_priority(counter)
             down.notes.priority_rewrite_s = trio.current_time() - started
         return [new]
-
-    async def discard_remaining(self, down: Downstream) -> None:
-        if down.h11.their_state is h11.SEND_BODY:
-            await self.discard_body(down)

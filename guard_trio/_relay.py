@@ -194,7 +194,7 @@ class Relay:
                         return await self.upstream_failed(down)
             if deadline.cancelled_caught:
                 if down.can_respond:
-                    await self.app.discard_remaining(down)
+                    await down.skip_body()
                     await self.app.too_many_requests(down)
                     return 429
                 raise ResponseAborted("PROXY_TIMEOUT_SECONDS reached mid-response")
@@ -249,7 +249,7 @@ class Relay:
         notes.upstream_errors += 1
         notes.backend_failed = True
         if down.can_respond:
-            await self.app.discard_remaining(down)
+            await down.skip_body()
             await self.app.too_many_requests(down)
             return 429
         notes.mid_response_failure = True
@@ -351,7 +351,7 @@ class Relay:
         down.notes.upstream_errors += 1
         if not down.can_respond:
             raise ResponseAborted("no response head from the backend in time")
-        await self.app.discard_remaining(down)
+        await down.skip_body()
         await down.respond(504, [_JSON, (b"connection", b"close")], GATEWAY_TIMEOUT_BODY)
         down.gone = True  # the exchange is abandoned mid-way: close the connection
         return 504

@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from guard_adapters.config import load_config
+from guard_adapters.outcome import client_trace_id
 from guard_trio._server import GuardServer
 from tests.integration.hostile.conftest import CountingUpstream, raw_exchange
 
@@ -785,13 +786,21 @@ def test_t2_upstream_framing_is_rebuilt(
         assert codings == []
         assert lengths in ([], [b"0"])
     # Headers: exactly the client's end-to-end headers (in order) plus the guard's own.
-    own = {b"host", b"content-length", b"transfer-encoding", b"x-forwarded-for"}
+    # The request id is the guard's too: one value, the client's own when it sent one sane one.
+    own = {b"host", b"content-length", b"transfer-encoding", b"x-forwarded-for", b"x-request-id"}
     forwarded = [
         (name.decode(), value.decode())
         for name, value in seen.headers
         if name not in own and not name.startswith(b"x-pig-")
     ]
-    assert forwarded == list(request.end_to_end)
+    assert forwarded == [(n, v) for n, v in request.end_to_end if n.lower() != "x-request-id"]
+    (trace_id,) = seen.values(b"x-request-id")
+    sent_ids = [v.encode() for n, v in request.end_to_end if n.lower() == "x-request-id"]
+    kept = client_trace_id(sent_ids)
+    if kept is not None:
+        assert trace_id == kept.encode()
+    else:
+        assert re.fullmatch(rb"ig-[0-9a-f]{8}-[0-9a-f]+", trace_id), trace_id
     assert seen.values(b"host") == [running_guard.upstream.base.removeprefix("http://").encode()]
     pig = [name for name, _ in seen.headers if name.startswith(b"x-pig-")]
     assert b"forged" not in b"".join(v for k, v in seen.headers if k.startswith(b"x-pig-"))
