@@ -35,7 +35,7 @@ from cattrs.strategies import configure_tagged_union
 
 from guard_adapters import recording_v1
 from guard_adapters._errors import LineError
-from guard_core import Refused, RequestEvent
+from guard_core import Arrived, Refused, RequestEvent
 
 __all__ = (
     "FORMAT",
@@ -165,7 +165,7 @@ _POLL_KINDS = frozenset({Scrape.KIND, ScrapeFailed.KIND, Decision.KIND})
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
 # Optional fields are written only when set: a refusal under PIG's learner has no predicted
-# Retry-After, and a decision no explanation.
+# Retry-After, a decision no explanation, an arrival replayed from an old recording no id.
 _converter.register_unstructure_hook(
     Refused,
     make_dict_unstructure_fn(
@@ -174,6 +174,10 @@ _converter.register_unstructure_hook(
         retry_after_s=override(omit_if_default=True),
         binding=override(omit_if_default=True),
     ),
+)
+_converter.register_unstructure_hook(
+    Arrived,
+    make_dict_unstructure_fn(Arrived, _converter, trace_id=override(omit_if_default=True)),
 )
 _converter.register_unstructure_hook(
     Decision,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -46,6 +46,7 @@ from guard_core import (
     Forwarded,
     GuardConfig,
     GuardState,
+    GuardStep,
     MetricsPolled,
     Prediction,
     PublishedDecision,
@@ -55,7 +56,7 @@ from guard_core import (
     apply_guard_event,
 )
 
-__all__ = ("ReplayResult", "ReplayedPoll", "replay", "summarise")
+__all__ = ("ReplayResult", "ReplayedPoll", "RequestWatcher", "replay", "summarise")
 
 
 @attrs.frozen(kw_only=True)
@@ -139,6 +140,10 @@ class ReplayResult:
     state: GuardState | None = None
 
 
+#: Told each request event a replay folds: the state before it, the event, the step it made.
+RequestWatcher = Callable[[GuardState, RequestEvent, GuardStep], None]
+
+
 @attrs.frozen
 class _Own:
     """How the replay itself ended one request's attempt, for comparison with the recording."""
@@ -165,6 +170,7 @@ class _Replayer:
     end_at: float = 0.0
     refusals: Counter[str] = attrs.field(factory=Counter)
     differing_outcomes: int = 0
+    watch: RequestWatcher | None = None
 
     # -- polls ----------------------------------------------------------------------------------
 
@@ -213,6 +219,8 @@ class _Replayer:
         before = self.state
         step = apply_guard_event(before, event)
         self.state = step.state
+        if self.watch is not None:
+            self.watch(before, event, step)
         request_id = event.request_id
         if isinstance(event, Arrived) and request_id not in before.requests:
             self.own[request_id] = _Own()
@@ -251,9 +259,15 @@ class _Replayer:
             self.differing_outcomes += 1
 
 
-def replay(records: Iterable[Record | Header], config: GuardConfig) -> ReplayResult:
-    """Feed a recording's records to a fresh guard and collect one decision per poll."""
-    replayer = _Replayer(state=GuardState.initial(config, at=0.0))
+def replay(
+    records: Iterable[Record | Header],
+    config: GuardConfig,
+    *,
+    watch: RequestWatcher | None = None,
+) -> ReplayResult:
+    """Feed a recording's records to a fresh guard and collect one decision per poll;
+    ``watch`` is told each request event with the state before it and the step it made."""
+    replayer = _Replayer(state=GuardState.initial(config, at=0.0), watch=watch)
     for record in records:
         if isinstance(record, Header):
             continue

@@ -149,21 +149,29 @@ class Downstream:
 
     async def next_event(self) -> h11.Event:
         while True:
-            event = self.h11.next_event()
-            if event is h11.NEED_DATA:
-                await self._receive()
-                continue
-            if isinstance(event, h11.Request):
-                self._request_read = trio.Event()
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                self._request_read.set()
-            return event  # type: ignore[return-value]
+            event = self.ready_event()
+            if event is not None:
+                return event
+            await self._receive()
+
+    def ready_event(self) -> h11.Event | None:
+        """The next event when what was read already holds it (no wait, no timer), else None."""
+        event = self.h11.next_event()
+        if event is h11.NEED_DATA:
+            return None
+        if isinstance(event, h11.Request):
+            self._request_read = trio.Event()
+        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+            self._request_read.set()
+        return event  # type: ignore[return-value]
 
     async def next_request(self, header_timeout_s: float) -> h11.Request | None:
         """The next request head, or None when the client closed the connection cleanly."""
         try:
-            with trio.fail_after(header_timeout_s):
-                event = await self.next_event()
+            event = self.ready_event()
+            if event is None:
+                with trio.fail_after(header_timeout_s):
+                    event = await self.next_event()
         except trio.TooSlowError:
             if not self.h11.trailing_data[0]:
                 return None  # an idle keep-alive connection: close it without a response
@@ -262,10 +270,12 @@ class Downstream:
         now = trio.current_time()
         if self._body_deadline is None:
             self._body_deadline = now + self.limits.total_timeout_s
-        wait = min(self.limits.idle_timeout_s, self._body_deadline - now)
         try:
-            with trio.fail_after(max(wait, 0.0)):
-                event = await self.next_event()
+            event = self.ready_event()
+            if event is None:
+                wait = min(self.limits.idle_timeout_s, self._body_deadline - now)
+                with trio.fail_after(max(wait, 0.0)):
+                    event = await self.next_event()
         except trio.TooSlowError:
             raise BodyRefused(408, "request body timed out") from None
         except h11.RemoteProtocolError as exc:

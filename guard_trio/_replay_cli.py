@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import sys
 from pathlib import Path
 from typing import IO, Any
+
+import attrs
 
 from guard_adapters.recording import (
     Header,
@@ -16,6 +19,8 @@ from guard_adapters.recording import (
     read_records,
 )
 from guard_adapters.replay import ReplayResult, replay, summarise
+from guard_adapters.request_story import explain_request, render_story
+from guard_core import GuardConfig
 from guard_trio._cli_support import add_overrides, read_input, settings_with
 from guard_trio._cli_support import write_table as _table
 
@@ -36,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop at the first malformed line instead of skipping it",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--explain",
+        metavar="ID",
+        help="tell one request's story instead: its X-Request-Id (or engine number), each "
+        "event, and the rule that admitted or refused it (with --json: as JSON)",
+    )
 
 
 def _load(path: Path, *, strict: bool) -> tuple[Header | None, list[Record], list[RecordingError]]:
@@ -157,6 +168,24 @@ def _print_diff(result: ReplayResult, out: IO[str]) -> None:
         out.write(line + "\n")
 
 
+def _explain(records: list[Record], config: GuardConfig, wanted: str, *, json_out: bool) -> int:
+    story = explain_request(records, config, wanted)
+    if story is None:
+        sys.stderr.write(f"inference-guard replay: no request {wanted!r} in the recording\n")
+        return 1
+    if json_out:
+        document = attrs.asdict(story, value_serializer=_json_value)
+        document["verdict"] = story.verdict
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    else:
+        sys.stdout.write(render_story(story) + "\n")
+    return 0
+
+
+def _json_value(_instance: object, _field: object, value: Any) -> Any:
+    return str(value) if isinstance(value, enum.Enum) else value
+
+
 def run(args: argparse.Namespace) -> int:
     out, err = sys.stdout, sys.stderr
     loaded = read_input("replay", args.file, lambda path: _load(path, strict=args.strict), err)
@@ -170,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_with("replay", header.config if header else {}, args.overrides, err)
     if settings is None:
         return 2
+    if args.explain is not None:
+        return _explain(records, settings.guard_config(), args.explain, json_out=args.json)
     result = replay(records, settings.guard_config())
     if args.out is not None:
         with args.out.open("w", encoding="utf-8") as stream:

@@ -151,6 +151,8 @@ def test_optional_fields_are_written_only_when_set() -> None:
     assert b"predicted" not in encode(Decision(at=1.0, poll=0, cap=4, state="green", reason="x"))
     refused = Refused(at=1.0, request_id=3, retry_after_s=4, binding=Binding.KV)
     assert b'"retry_after_s":4,"binding":"predicted_kv"' in encode(refused)
+    named = Arrived(at=1.0, request_id=3, tier=Tier.BASIC, trace_id="req-9")
+    assert encode(named).endswith(b'"path":"","trace_id":"req-9","kind":"arrived"}\n')
 
 
 def version_1(*lines: bytes) -> list[object]:
