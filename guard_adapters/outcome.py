@@ -5,8 +5,8 @@ times, what went wrong), and the client's ``X-Request-Id`` header.
 Guarantees:
 - :class:`ExchangeNotes` is the one mutable record of an exchange in progress; the shell sets
   its fields as things happen and calls :meth:`ExchangeNotes.outcome` once, at the end, for the
-  :class:`ExchangeOutcome` it hands to its listeners (the metrics page, the admin stream); an
-  outcome has exactly the notes' fields, frozen;
+  :class:`ExchangeOutcome` it hands to its listeners (the metrics page, the admin stream): the
+  notes themselves, frozen in place, so ending an exchange copies nothing;
 - the notes hold facts, never counts derived from them: which counter a fact moves is the
   listener's rule (``guard_trio._observability.GuardMetrics.record_exchange``);
 - :func:`client_trace_id` accepts a client's id only when it is one header of 1 to 128
@@ -119,8 +119,12 @@ class ExchangeNotes:
         self.priority = (*self.priority, name)
 
     def outcome(self) -> ExchangeOutcome:
-        """The frozen value of these notes."""
-        return ExchangeOutcome(**{f.name: getattr(self, f.name) for f in _FIELDS})
+        """These notes, frozen in place: from now on they are the exchange's outcome and no
+        field can change (an :class:`ExchangeOutcome` has exactly the notes' slots, so the
+        object only changes class; no field is copied)."""
+        self.__class__ = ExchangeOutcome
+        assert isinstance(self, ExchangeOutcome)
+        return self
 
 
 @attrs.frozen(kw_only=True)
@@ -130,9 +134,6 @@ class ExchangeOutcome(ExchangeNotes):
     @property
     def refused(self) -> bool:
         return self.code is not None
-
-
-_FIELDS = attrs.fields(ExchangeNotes)
 
 
 class TraceIds:

@@ -318,14 +318,16 @@ class Downstream:
         self, status: int, headers: list[tuple[bytes, bytes]], body: bytes = b""
     ) -> None:
         """A whole response in one write."""
-        self.notes.status = status
+        if self.exchange_open:
+            self.notes.status = status
         await self.send(*_whole_response(status, self.stamped(headers), body))
 
     def head(
         self, status: int, headers: list[tuple[bytes, bytes]], reason: bytes = b""
     ) -> h11.Response:
         """The response head for ``headers``, with the request's ``X-Request-Id``."""
-        self.notes.status = status
+        if self.exchange_open:
+            self.notes.status = status
         return h11.Response(status_code=status, headers=self.stamped(headers), reason=reason)
 
     def stamped(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -202,7 +202,7 @@ class ProxyApp:
         # The decision took from the attempt's arrival (engine time) to now.
         started = self.engine.started_at(attempt)
         self.hand_outcome(
-            ExchangeOutcome(
+            ExchangeNotes(
                 trace_id=trace_id,
                 request_id=attempt.request_id,
                 admitted_path=True,
@@ -214,7 +214,7 @@ class ProxyApp:
                 binding=result.binding,
                 decision_s=max(0.0, trio.current_time() - started),
                 status=429,
-            )
+            ).outcome()
         )
         status_line, rest = self.refusal_bytes(result.retry_after_s)
         return None, b"%sx-request-id: %s\r\n%s" % (status_line, trace_id.encode(), rest)
