@@ -55,10 +55,12 @@ _EVENT_NAMES = {
 class StoryStep:
     """One event of the request and what the core made of it."""
 
+    #: When (seconds since the guard started) and which event, in words.
     at: float
     event: str
     #: ``admitted``, ``waiting`` or ``refused`` for an attempt; ``None`` otherwise.
     outcome: str | None = None
+    #: The refusal's code (a waiting request's latest one).
     code: RejectCode | None = None
     #: The rule that decided, in words, with the figures it read.
     rule: str = ""

@@ -53,6 +53,7 @@ from guard_adapters.live_view_messages import KINDS, events_url, parse_message
 from guard_trio._cli_support import number
 
 _COMMAND: Final = "watch"
+#: How long the WebSocket handshake may take, and the closing one.
 _CONNECT_TIMEOUT_S: Final = 10.0
 _CLOSE_TIMEOUT_S: Final = 2.0
 #: The shortest time between two frames on a terminal (at most four a second).
@@ -93,13 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "url", help="the admin plane, e.g. http://127.0.0.1:9000 (PIG_ADMIN_LISTEN) or ws://..."
     )
     parser.add_argument(
+        "--json", action="store_true", help="print each message as one JSON line (for jq)"
+    )
+    parser.add_argument(
         "--token-file",
         type=Path,
         metavar="PATH",
         help="read the guard's TOKEN from this file (default: the TOKEN environment variable)",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print each message as one JSON line (for jq)"
     )
     parser.add_argument(
         "--kinds",
