@@ -197,11 +197,14 @@ def explain_request(
 
 def render_story(story: RequestStory) -> str:
     """The story as text for a terminal."""
-    name = story.trace_id or f"#{story.request_id}"
+    name = (
+        f"{story.trace_id} (engine #{story.request_id})"
+        if story.trace_id
+        else (f"#{story.request_id}")
+    )
     size = "?" if story.body_bytes is None else str(story.body_bytes)
     lines = [
-        f"request {name} (engine #{story.request_id}): {story.tier} tier, "
-        f"path {story.path or '?'}, body {size} bytes",
+        f"request {name}: {story.tier} tier, path {story.path or '?'}, body {size} bytes",
         f"verdict: {story.verdict}",
     ]
     for step in story.steps:
@@ -218,7 +221,7 @@ def render_story(story: RequestStory) -> str:
             lines.append(f"               gate: {seen}")
         if step.rule:
             lines.append(f"               rule: {step.rule}")
-        if step.reasons:
+        if step.reasons and step.outcome is not None:
             lines.append(f"               state reasons: {', '.join(step.reasons)}")
         if step.retry_after_s is not None:
             lines.append(f"               Retry-After: {step.retry_after_s} s")
