@@ -175,8 +175,13 @@ class Relay:
                     try:
                         async with self.pool.connection(target, fresh=attempt > 0) as up:
                             reused = up.reused
-                            await up.send(upstream_request)
-                            await self.send_body(down, up, body, rewriter)
+                            if body is not None and rewriter is None:
+                                # A held body goes out with the head, in one write.
+                                data = (h11.Data(data=chunk) for chunk in body if chunk)
+                                await up.send(upstream_request, *data, h11.EndOfMessage())
+                            else:
+                                await up.send(upstream_request)
+                                await self.send_body(down, up, body, rewriter)
                             written = True
                             status = await self.relay_response(
                                 down, up, slot, proxy_started, method=request.method, bridge=bridge
