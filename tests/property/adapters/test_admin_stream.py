@@ -89,13 +89,14 @@ def run(state: GuardState, plan: list[Any]) -> GuardState:
         at = float(number)
         if kind == "poll":
             polls = []
-            for name, sample in zip(("a", "b"), value, strict=True):
-                if sample is not None:
-                    tokens += sample.generation_tokens or 0.0
+            for name, drawn in zip(("a", "b"), value, strict=True):
+                sample = None
+                if drawn is not None:
+                    tokens += drawn.generation_tokens or 0.0
                     sample = BackendSample(
-                        running=sample.running,
-                        waiting=sample.waiting,
-                        kv_usage=sample.kv_usage,
+                        running=drawn.running,
+                        waiting=drawn.waiting,
+                        kv_usage=drawn.kv_usage,
                         generation_tokens=tokens,
                         preemptions=0.0,
                     )
@@ -313,9 +314,7 @@ def test_sampling_keeps_about_the_share(share: float) -> None:
         ("sample=.25&kinds=admission", ("admission",), 0.25),
     ],
 )
-def test_subscriptions_that_are_accepted(
-    query: str, kinds: tuple[str, ...], sample: float
-) -> None:
+def test_subscriptions_that_are_accepted(query: str, kinds: tuple[str, ...], sample: float) -> None:
     assert parse_subscription(query) == Subscription(kinds, sample)
 
 
