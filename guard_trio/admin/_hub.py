@@ -56,8 +56,10 @@ __all__ = ("DROPPED_CODE", "GOING_AWAY_CODE", "MAX_PENDING", "AdminHub", "Viewer
 DROPPED_CODE: Final = 1013
 #: WebSocket close code when the admin plane shuts down (1001: going away).
 GOING_AWAY_CODE: Final = 1001
-#: Messages a viewer's buffer holds before the viewer is dropped.
-DEFAULT_BUFFER: Final = 256
+#: Messages a viewer's buffer holds before the viewer is dropped. Sending one message costs
+#: its writer a few scheduler rounds, so under a flood of refusals a viewer of every admission
+#: falls behind by design; this absorbs bursts, and ``sample`` is the answer to a flood.
+DEFAULT_BUFFER: Final = 1024
 #: Requests remembered while they wait for an outcome.
 MAX_PENDING: Final = 65_536
 

@@ -4,7 +4,10 @@ Reads: the guard server (:class:`~guard_trio._server.GuardServer`: its settings,
 poller and metrics) and the address to bind.
 Guarantees:
 - :func:`serve_admin` binds its own socket (its send buffer held to :data:`SEND_BUFFER_BYTES`,
-  so a viewer that stops reading holds little memory in the kernel either), hooks the hub onto
+  so a viewer that stops reading holds little memory in the kernel either, and a connection
+  whose peer takes none of the data waiting for it for ``stall_timeout_s`` is aborted by the
+  kernel: hypercorn's writes cannot be cancelled, so this is what ends a write to a viewer
+  that stopped reading, while running and at shutdown), hooks the hub onto
   the poller's rounds and the engine's request events, serves the app with
   ``hypercorn.trio.serve`` in the caller's nursery, and reports the running
   :class:`AdminPlane` (with the bound address) once it accepts connections;
@@ -30,12 +33,15 @@ from guard_trio._server import GuardServer
 from guard_trio.admin._app import AdminApp
 from guard_trio.admin._hub import DEFAULT_BUFFER, AdminHub
 
-__all__ = ("SEND_BUFFER_BYTES", "AdminPlane", "serve_admin")
+__all__ = ("SEND_BUFFER_BYTES", "STALL_TIMEOUT_S", "AdminPlane", "serve_admin")
 
 log = logging.getLogger("inference_guard.admin")
 
 #: The admin sockets' kernel send buffer (Linux doubles it for its own bookkeeping).
 SEND_BUFFER_BYTES: Final = 64 * 1024
+#: How long a connection may have data waiting that its peer takes none of (a zero window)
+#: before the kernel aborts it (``TCP_USER_TIMEOUT``).
+STALL_TIMEOUT_S: Final = 10.0
 #: How long open connections get to finish when the plane stops.
 _GRACE_S: Final = 1.0
 
@@ -72,7 +78,7 @@ class _BoundConfig(Config):
         return Sockets(secure_sockets=[], insecure_sockets=[self._listening], quic_sockets=[])
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, stall_timeout_s: float) -> socket.socket:
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
@@ -81,6 +87,9 @@ def _bind(host: str, port: int) -> socket.socket:
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # Accepted connections inherit it: a stalled viewer pins at most this much.
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; inherited by accepted connections
+            milliseconds = max(1, round(stall_timeout_s * 1000))
+            listening.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
         listening.bind(address)
         listening.setblocking(False)
     except OSError:
@@ -107,6 +116,7 @@ async def serve_admin(
     port: int,
     *,
     buffer: int = DEFAULT_BUFFER,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
     task_status: trio.TaskStatus[AdminPlane] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin plane of ``server`` on ``host:port`` until cancelled or stopped."""
@@ -117,7 +127,7 @@ async def serve_admin(
         policy="predictive" if settings.predictive_enabled else "pig",
         backends=_backend_names(server),
     )
-    listening = _bind(host, port)
+    listening = _bind(host, port, stall_timeout_s)
     bound = listening.getsockname()
     plane = AdminPlane(str(bound[0]), int(bound[1]), hub, app)
     server.poller.on_round.append(hub.on_round)
