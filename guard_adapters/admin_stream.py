@@ -36,6 +36,7 @@ import attrs
 from guard_core import Arrived, GuardState, Prediction, RejectCode
 from guard_core.gate import current_limit
 from guard_core.published import BackendFigures
+from guard_core.signals import PollSignals
 
 __all__ = (
     "KINDS",
@@ -173,6 +174,17 @@ def _backend(figures: BackendFigures) -> dict[str, Any]:
     }
 
 
+def _observed_user_tps(signals: PollSignals) -> float | None:
+    """The per-user speed of the poll: the learner's own per-user decode speed when it computes
+    one (``DYNAMIC_SINGLE_USER_TPS_ENABLED``, outside prefill transitions), else the backends'
+    generation rate over the requests they run."""
+    if signals.user_tps is not None:
+        return signals.user_tps
+    if signals.generation_tps is not None and signals.running > 0:
+        return signals.generation_tps / signals.running
+    return None
+
+
 def _predicted_cap(state: GuardState) -> Prediction | None:
     return None if state.predictive is None else state.predictive.last_cap
 
@@ -184,7 +196,7 @@ def decision_message(
 
     ``cap`` is the limit in force (the published cap, or ``GLOBAL_LIMIT`` in static mode);
     ``reasons`` are the load state's red reasons then its yellow ones; ``limit_reason`` is the
-    component that set the cap. ``tps.observed`` is the per-user decode speed the learner saw,
+    component that set the cap. ``tps.observed`` is the per-user decode speed of the poll,
     ``ttft_s.observed`` the average of the TTFT window behind it; the predictions are the
     predictive learner's for the cap it set (``null`` under PIG's learner).
     """
@@ -210,7 +222,7 @@ def decision_message(
         "backend_waiting": decision.waiting,
         "backends": [_backend(figures) for figures in published.backends],
         "tps": {
-            "observed": None if snapshot is None else _finite(snapshot.signals.user_tps),
+            "observed": None if snapshot is None else _finite(_observed_user_tps(snapshot.signals)),
             "predicted": None if predicted is None else _finite(predicted.user_tps),
         },
         "ttft_s": {

@@ -155,7 +155,12 @@ def test_a_decision_message_says_what_the_state_holds(
         )
         assert shown["kv_usage"] == figures.kv_usage
     snapshot = published.snapshot
-    observed = None if snapshot is None else snapshot.signals.user_tps
+    observed = None
+    if snapshot is not None:
+        signals = snapshot.signals
+        observed = signals.user_tps
+        if observed is None and signals.generation_tps is not None and signals.running > 0:
+            observed = signals.generation_tps / signals.running
     assert message["tps"] == {"observed": observed, "predicted": None}  # PIG's learner
     assert message["ttft_s"]["predicted"] is None
     assert all(math.isfinite(n) for n in numbers(message))
@@ -178,6 +183,7 @@ def test_a_decision_after_healthy_polls_carries_the_backends_and_speeds() -> Non
     assert [b["running"] for b in message["backends"]] == [4, 4]
     assert [b["kv_usage"] for b in message["backends"]] == [0.25, 0.25]
     assert all(b["generation_tps"] is not None for b in message["backends"])
+    assert message["tps"]["observed"] is not None
 
 
 def test_the_state_document_holds_the_decision_and_more() -> None:
