@@ -126,9 +126,8 @@ async def chromium(profile: Path) -> AsyncIterator[DevTools]:
 async def open_logged_in(tools: DevTools, nursery: trio.Nursery, url: str) -> str:
     """A new tab on ``url`` that answers the Basic challenge with the token; its session."""
     target = (await tools.call("Target.createTarget", url="about:blank"))["targetId"]
-    session = (await tools.call("Target.attachToTarget", targetId=target, flatten=True))[
-        "sessionId"
-    ]
+    attached = await tools.call("Target.attachToTarget", targetId=target, flatten=True)
+    session: str = attached["sessionId"]
     challenges: list[str] = []
 
     async def paused(message: dict[str, Any]) -> None:
