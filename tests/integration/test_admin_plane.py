@@ -139,6 +139,7 @@ async def test_the_state_reads_the_guard_at_request_time(
         ("GET", "/admin/", [], 401),
         ("GET", "/admin/events", [], 401),
         ("GET", "/admin/state", basic(TOKEN), 200),
+        ("HEAD", "/admin/state", BEARER, 200),
         ("GET", "/admin/state", basic(TOKEN, user=""), 200),
         ("GET", "/admin/", basic(TOKEN), 200),
         ("GET", "/admin", BEARER, 308),
