@@ -3,9 +3,9 @@
 Covers every variable of spec 2 (2.1 core and routing, 2.2 OpenAI compatibility, auth and
 upstream errors, 2.3 attestation, 2.4 output-token classification, 2.5 backend priority
 injection, 2.6 dynamic QoS, 2.7 SSE) plus the guard's own ``PIG_RETRY_AFTER_SECONDS``,
-``PIG_DRAIN_SECONDS``, ``PIG_RECORD_PATH``, the hardening limits, and the learner choice
-``DYNAMIC_POLICY`` with the predictive learner's ``DYNAMIC_PREDICTIVE_*`` settings and
-``PIG_RETRY_AFTER_MODE``.
+``PIG_DRAIN_SECONDS``, ``PIG_RECORD_PATH``, ``PIG_ADMIN_LISTEN``, the hardening limits, and the
+learner choice ``DYNAMIC_POLICY`` with the predictive learner's ``DYNAMIC_PREDICTIVE_*``
+settings and ``PIG_RETRY_AFTER_MODE``.
 
 Reads: a mapping of environment variables, always passed in (``os.environ`` is never touched
 here). Only the variables listed in :data:`VARIABLES` are looked at; everything else in the
@@ -287,6 +287,8 @@ class Environment:
     pig_retry_after_seconds: int = 1
     pig_drain_seconds: float = 30.0
     pig_record_path: str = ""
+    #: The admin plane's ``host:port`` (docs/admin.md); empty: no admin plane.
+    pig_admin_listen: str = ""
     # -- inference-guard's hardening limits (docs/hardening.md)
     pig_header_timeout_seconds: float = 10.0
     pig_max_body_bytes: int = 8 * 1024 * 1024
@@ -482,6 +484,8 @@ class Settings:
     #: ``LISTEN`` split into host ("" means every interface) and port.
     listen_host: str
     listen_port: int
+    #: ``PIG_ADMIN_LISTEN`` split into host and port; None: the admin plane is off.
+    admin_listen: tuple[str, int] | None = None
 
     @classmethod
     def from_environment(cls, env: Environment) -> Settings:
@@ -501,6 +505,7 @@ class Settings:
             auth_paths=PathPolicy(env.api_auth_paths or env.pig_paths, env.pig_path_suffix_match),
             listen_host=listen[0],
             listen_port=listen[1],
+            admin_listen=_split_listen(env.pig_admin_listen) if env.pig_admin_listen else None,
         )
 
     @property
@@ -1064,6 +1069,7 @@ def _problems(env: Environment) -> list[Problem]:
     if _split_listen(env.listen) is None:
         c.add(["LISTEN"], f"expected [host]:port with a numeric port, got {_shown(env.listen)}")
     _routing_problems(c, _resolve_routing(env))
+    _admin_problems(c)
     _path_problems(c, f.pig_paths, required=True)
     c.above(f.proxy_timeout_seconds, 0)
     c.at_least(f.pig_status_log_interval_seconds, 0)
@@ -1102,6 +1108,19 @@ def _core_problems(c: _Checks) -> None:
             if problem not in found:
                 found.append(problem)
     c.found.extend(found)
+
+
+def _admin_problems(c: _Checks) -> None:
+    """``PIG_ADMIN_LISTEN``: empty, or ``host:port`` with a host (the admin plane is never
+    opened on every interface by accident), and only with a ``TOKEN`` to guard it."""
+    listen = c.env.pig_admin_listen
+    if not listen:
+        return
+    split = _split_listen(listen)
+    if split is None or not split[0]:
+        c.add(["PIG_ADMIN_LISTEN"], f"expected host:port with a numeric port, got {_shown(listen)}")
+    if not c.env.token:
+        c.add(["PIG_ADMIN_LISTEN", "TOKEN"], "the admin plane needs TOKEN, which is empty")
 
 
 def _feature_problems(c: _Checks) -> None:

@@ -16,6 +16,7 @@ from guard_adapters.config import ConfigError, Settings, load_config
 from guard_trio import __version__
 from guard_trio._recorder import Recorder
 from guard_trio._server import GuardServer
+from guard_trio.admin import serve_admin
 
 log = logging.getLogger("inference_guard")
 
@@ -60,6 +61,11 @@ async def serve(
             if recorder is not None:
                 nursery.start_soon(recorder.run)
             bound = await nursery.start(server.serve)
+            if settings.admin_listen is not None:
+                # The admin plane: same process and nursery; it listens to the engine's events
+                # after the recorder (guard_trio._listeners) and to every poll round.
+                plane = await nursery.start(serve_admin, server, *settings.admin_listen)
+                log.info("admin plane on %s/admin/", plane.url)
             log.info(
                 "inference-guard %s listening on %s:%s backends=%d dynamic=%s/%s",
                 __version__,

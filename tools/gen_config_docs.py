@@ -36,6 +36,12 @@ setting (for example the yellow state limit follows the green one).
 
 #: Prose printed under a section's table, keyed by the section's comment in ``Environment``.
 NOTES = {
+    "inference-guard's own (PRODUCT.md)": """
+`PIG_ADMIN_LISTEN` (`host:port`, for example `127.0.0.1:9000`; empty: off) opens the admin
+plane on a listener of its own in the same process: the published state as JSON, a live event
+stream (WebSocket) and a dashboard page, all behind `TOKEN`, which it therefore needs
+([admin.md](admin.md)). Give it a loopback or private address: it is meant for operators.
+""",
     "inference-guard's predictive learner (DYNAMIC_POLICY=predictive)": """
 `DYNAMIC_POLICY` picks the learner that sets the cap: `pig` (the default) is PIG's pipeline,
 unchanged; `predictive` learns, per backend and from every poll, how the engine's step time grows
