@@ -166,9 +166,6 @@ def _backend(figures: BackendFigures) -> dict[str, Any]:
         "waiting": figures.waiting,
         "kv_usage": _finite(figures.kv_usage),
         "generation_tps": _finite(figures.generation_tps),
-        # The core summarises a backend's TTFT window as average, p95 and p99; it keeps no
-        # median, so the schema's p50 is unknown until it does.
-        "ttft_p50_s": None,
         "ttft_avg_s": None if ttft is None else _finite(ttft.avg),
         "ttft_p95_s": None if ttft is None else _finite(ttft.p95),
     }
@@ -302,7 +299,7 @@ def admission_message(
         "v": SCHEMA_VERSION,
         "type": "admission",
         "at": _finite(at),
-        "id": str(arrived.request_id),
+        "id": arrived.trace_id or str(arrived.request_id),
         "tier": str(arrived.tier),
         "outcome": outcome,
         "reason": str(code) if outcome == "refused" and code is not None else None,

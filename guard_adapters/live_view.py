@@ -263,7 +263,7 @@ def _header(view: LiveView) -> str:
 def _backend_lines(view: LiveView) -> list[str]:
     decision = view.latest
     rows: list[Sequence[str]] = [
-        ("backend", "status", "running", "waiting", "KV", "gen tok/s", "TTFT p50 s")
+        ("backend", "status", "running", "waiting", "KV", "gen tok/s", "TTFT avg s")
     ]
     backends = decision.backends if decision is not None else ()
     for row in backends:
@@ -275,7 +275,7 @@ def _backend_lines(view: LiveView) -> list[str]:
                 _num(row.waiting),
                 _fig(row.kv_usage, 2),
                 _fig(row.generation_tps),
-                _fig(row.ttft_p50_s, 2),
+                _fig(row.ttft_avg_s, 2),
             )
         )
     if not backends:

@@ -70,7 +70,7 @@ class BackendRow:
     waiting: int | None = None
     kv_usage: float | None = None
     generation_tps: float | None = None
-    ttft_p50_s: float | None = None
+    ttft_avg_s: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -177,7 +177,7 @@ def _backend(value: object) -> BackendRow | None:
         waiting=_int(value.get("waiting")),
         kv_usage=_float(value.get("kv_usage")),
         generation_tps=_float(value.get("generation_tps")),
-        ttft_p50_s=_float(value.get("ttft_p50_s")),
+        ttft_avg_s=_float(value.get("ttft_avg_s")),
     )
 
 

@@ -210,7 +210,8 @@ class AdminHub:
         viewers = self._admission_viewers
         if pending is None or not viewers:
             return
-        request_id = str(event.request_id)
+        arrived = pending.arrived
+        request_id = arrived.trace_id or str(arrived.request_id)
         keeping = [v for v in viewers if keeps_admission(request_id, v.subscription.sample)]
         if not keeping:
             return

@@ -269,15 +269,17 @@ async def test_the_stream_says_hello_then_decisions_and_admissions(
         assert second["cap"] == current_limit(server.engine.state.gate)[0] == 1
         assert [b["name"] for b in second["backends"]] == ["metrics1"]
 
-        premium = [*BEARER, ("X-User-Tier", "premium")]
-        assert (await http.request(guard, "POST", CHAT, premium, BODY)).status == 200
+        premium = [*BEARER, ("X-User-Tier", "premium"), ("X-Request-Id", "first-premium")]
+        answer = await http.request(guard, "POST", CHAT, premium, BODY)
+        assert answer.status == 200
         admitted = await next_message(ws, "admission")
         assert (admitted["outcome"], admitted["tier"], admitted["reason"]) == (
             "admitted",
             "premium",
             None,
         )
-        assert admitted["id"].isdigit()
+        # The stream names the request as its answer did: by its X-Request-Id.
+        assert admitted["id"] == "first-premium" == answer.header("x-request-id").decode()
         assert 0 <= admitted["waited_s"] < 0.3
 
         # Hold the only slot with a long stream; the next request waits 0.3 s, then is refused.

@@ -71,7 +71,7 @@ def decision(round_: int, interval: float) -> dict[str, Any]:
                 "waiting": 1,
                 "kv_usage": 0.91,
                 "generation_tps": 250.0,
-                "ttft_p50_s": 0.3,
+                "ttft_avg_s": 0.3,
             }
         ],
         "tps": {"observed": 21.5, "predicted": 20.0},

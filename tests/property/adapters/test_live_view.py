@@ -78,7 +78,7 @@ backends = st.lists(
             "waiting": st.integers(0, 10**6),
             "kv_usage": st.floats(0, 1),
             "generation_tps": maybe_float,
-            "ttft_p50_s": maybe_float,
+            "ttft_avg_s": maybe_float,
         }
     ),
     max_size=4,
@@ -387,7 +387,7 @@ def test_an_example_screen() -> None:
                         "waiting": 1,
                         "kv_usage": 0.83,
                         "generation_tps": 412.0,
-                        "ttft_p50_s": 0.21,
+                        "ttft_avg_s": 0.21,
                     }
                 ],
                 tps={"observed": 18.5, "predicted": 20.25},
