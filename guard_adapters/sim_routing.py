@@ -16,7 +16,9 @@ Routings:
   learner is by its per-backend outlook (:mod:`guard_core.backend_prediction`), a backend having
   room when that outlook is within the targets; under PIG's learner by PIG's
   :func:`~guard_core.backend_choice.backend_score`, a backend having room while its engine
-  reports nothing waiting; without a guard (policies ``none`` and ``static``) by load.
+  reports nothing waiting and serves its running requests at the speed target
+  (:func:`~guard_core.ranking.pig_room`); without a guard (policies ``none`` and ``static``)
+  by load.
 
 Guarantees: pure; deterministic for a sequence of calls; every answer is an index into the
 pool; a fresh router is made for each run (:func:`parse_routing`), so runs do not share state.
@@ -35,7 +37,7 @@ from guard_core import affinity as affinity_rules
 from guard_core.backend_choice import backend_score, backend_views
 from guard_core.backend_prediction import outlook
 from guard_core.pool_routing import route
-from guard_core.ranking import Candidate
+from guard_core.ranking import Candidate, pig_room
 
 __all__ = (
     "DEFAULT_AFFINITY_BLOCKS",
@@ -178,7 +180,7 @@ class GuardRouting:
             Candidate(
                 name=view.name,
                 load=view.inflight,
-                room=view.waiting == 0,
+                room=pig_room(view, target_user_tps=policy.user_tps_yellow),
                 score=backend_score(
                     view,
                     capacity_ratio=policy.capacity_ratio,

@@ -15,8 +15,9 @@ maps to carry a quarter more than its share, then the prefix spills to the next 
 ring, and so on.
 
 Guarantees:
-- pure and deterministic: the ring depends only on the names and ``vnodes`` (blake2b, no
-  process-salted ``hash``), the choice only on the ring, the key, the loads and the bound;
+- pure and deterministic: the ring depends only on the names and ``vnodes`` (a fixed 64-bit
+  hash, never the process-salted ``hash``), the choice only on the ring, the key, the loads
+  and the bound;
 - while the first eligible backend on a key's walk is within the bound it is the one chosen, so
   a key keeps its backend as long as that backend has room;
 - a backend is never chosen when taking the request would carry it past the bound; since the
@@ -28,8 +29,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import bisect
-import hashlib
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Final
@@ -51,14 +50,35 @@ __all__ = (
 #: How far above the mean load a backend may go to keep a key's affinity.
 DEFAULT_BOUND: Final = 1.25
 #: Points per backend on the ring: enough that four backends each own close to a quarter.
-DEFAULT_VNODES: Final = 64
+DEFAULT_VNODES: Final = 128
 _MASK: Final = (1 << 64) - 1
 
 
+_FNV_OFFSET: Final = 0xCBF29CE484222325
+_FNV_PRIME: Final = 0x100000001B3
+
+
 def ring_position(text: str) -> int:
-    """A stable 64-bit position for ``text`` (blake2b, 8 bytes, big-endian)."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+    """A stable 64-bit position for ``text``: FNV-1a over its UTF-8 bytes, then the splitmix64
+    finaliser so that names differing in one character land far apart."""
+    value = _FNV_OFFSET
+    for byte in text.encode("utf-8"):
+        value = ((value ^ byte) * _FNV_PRIME) & _MASK
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK
+    return value ^ (value >> 31)
+
+
+def _first_at_or_after(positions: tuple[int, ...], key: int) -> int:
+    """The index of the first position >= ``key`` (``len`` when none is)."""
+    low, high = 0, len(positions)
+    while low < high:
+        middle = (low + high) // 2
+        if positions[middle] < key:
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
 @attrs.frozen
@@ -73,7 +93,7 @@ class Ring:
         """The distinct backends in the order a walk from ``key`` meets them."""
         if not self.positions:
             return ()
-        start = bisect.bisect_left(self.positions, key & _MASK)
+        start = _first_at_or_after(self.positions, key & _MASK)
         seen: dict[str, None] = {}
         count = len(self.positions)
         wanted = len(self.names)

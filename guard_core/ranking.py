@@ -29,9 +29,10 @@ from collections.abc import Sequence
 
 import attrs
 
+from guard_core.backend_choice import BackendView
 from guard_core.backend_prediction import BackendOutlook
 
-__all__ = ("Candidate", "best", "rank_key", "ranked")
+__all__ = ("Candidate", "best", "pig_room", "rank_key", "ranked")
 
 
 @attrs.frozen(kw_only=True)
@@ -42,13 +43,25 @@ class Candidate:
     #: May take work at all (not ejected, not marked full by an engine's queue-full answer).
     eligible: bool = True
     #: Its own capacity has room for one more (predictive: the outlook is within target; PIG:
-    #: the engine reports nothing waiting).
+    #: :func:`pig_room`).
     room: bool = True
     #: Requests in flight to it.
     load: int = 0
     outlook: BackendOutlook | None = None
     #: PIG's :func:`~guard_core.backend_choice.backend_score` (lower is better).
     score: float | None = None
+
+
+def pig_room(view: BackendView, *, target_user_tps: float) -> bool:
+    """Under PIG's learner, whether a backend has room: its engine reports nothing waiting, and
+    its running requests get at least ``target_user_tps`` each (its generation rate over its
+    running count at the latest poll; an idle backend, or one without a rate, has room). A
+    slow or throttled backend loses its room at a lighter load than its peers."""
+    if view.waiting > 0:
+        return False
+    if view.running == 0 or view.generation_tps is None:
+        return True
+    return view.generation_tps / view.running >= target_user_tps
 
 
 def rank_key(candidate: Candidate) -> tuple[int, float]:
