@@ -68,14 +68,16 @@ def test_the_route_is_eligible_whenever_one_is(
     picked = candidates[chosen.index]
     assert picked.eligible
     assert picked.name == chosen.name
+    eligible = [c for c in candidates if c.eligible]
+    limit = load_bound(sum(c.load for c in eligible), len(eligible))
     if chosen.reason is RouteReason.AFFINITY:
         assert key is not None
         assert picked.room
-        eligible = [c for c in candidates if c.eligible]
-        limit = load_bound(sum(c.load for c in eligible), len(eligible))
         assert picked.load + 1 <= limit
-    elif any(c.eligible and c.room for c in candidates):
+    elif any(c.room and c.load + 1 <= limit for c in eligible):
+        # Ranked: one with room and within the load bound whenever there is one.
         assert picked.room
+        assert picked.load + 1 <= limit
 
 
 @given(candidates_strategy)
