@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 
 from guard_adapters.sim_routing import ROUTINGS, parse_routing, prefix_key
@@ -129,3 +130,32 @@ def test_routers_are_fresh_and_named() -> None:
         parse_routing("random")
     with pytest.raises(ValueError, match="backends must be"):
         simulate(mooncake(10), "none", backends=0)
+
+
+@pytest.mark.parametrize("start_s", [0.0, 600.0])
+def test_under_one_pool_cap_guard_routing_reuses_more_and_spares_a_slow_backend(
+    start_s: float,
+) -> None:
+    """Five minutes of Mooncake over four backends, the last 3x slower, under a fixed pool cap
+    (so every routing admits alike). What held in every window tried: the guard routing's
+    prefix hit rate beats round-robin's and least-loaded's, its goodput beats round-robin's,
+    and it gives the slow backend less work than any other and than round-robin does. Its
+    goodput against least-loaded and its TTFT p95 against either are not asserted: they
+    changed sides between windows and profiles (docs/simulation.md has the figures)."""
+    trace = [
+        attrs.evolve(r, arrival_s=r.arrival_s - start_s)
+        for r in load_trace(MOONCAKE)
+        if start_s <= r.arrival_s < start_s + 300
+    ]
+    results = {
+        routing: simulate(trace, "static:48", backends=4, slow_backend=3.0, routing=routing)
+        for routing in ROUTINGS
+    }
+    hits = {routing: r.prefix_hit_rate or 0.0 for routing, r in results.items()}
+    assert hits["guard"] > hits["round-robin"]
+    assert hits["guard"] > hits["least-loaded"]
+    goodput = {routing: r.summary["all"].goodput_per_s for routing, r in results.items()}
+    assert goodput["guard"] > goodput["round-robin"]
+    placed = [b.requests for b in results["guard"].backends]
+    assert placed[-1] < min(placed[:-1])
+    assert placed[-1] < results["round-robin"].backends[-1].requests
