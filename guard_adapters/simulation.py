@@ -61,8 +61,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Final
 
 import attrs
 
@@ -79,7 +79,23 @@ from guard_adapters.engine_model import (
     TokenEvent,
     idle_prefill_s,
 )
+from guard_adapters.engine_pool import EnginePool
 from guard_adapters.prefix_cache import MOONCAKE_BLOCK_TOKENS, PrefixCache
+from guard_adapters.sim_routing import RoutedRequest, Router, parse_routing
+from guard_adapters.simulation_results import (
+    GOOD_TPS,
+    GOOD_TTFT_S,
+    TIERS,
+    RequestOutcome,
+    SeriesPoint,
+    SimulationResult,
+    TierSummary,
+    backend_loads,
+    prefix_hit_rate,
+    quantile,
+    summarise,
+    user_tps_series,
+)
 from guard_adapters.traces import TraceRequest, premium_flags
 from guard_core import (
     Admitted,
@@ -103,6 +119,7 @@ from guard_core import (
     current_limit,
     next_check_at,
 )
+from guard_core.traffic import BackendFinished, BackendForwarded
 
 __all__ = (
     "GOOD_TPS",
@@ -124,12 +141,6 @@ __all__ = (
     "validate_slowdowns",
 )
 
-#: Goodput counts requests finished at this per-user speed or faster ...
-GOOD_TPS: Final = 20.0
-#: ... whose first token came within this many seconds of their arrival.
-GOOD_TTFT_S: Final = 1.0
-#: The rows of a summary: every request, then each tier.
-TIERS: Final = ("all", "premium", "basic")
 
 _INF: Final = math.inf
 #: A rough size of a chat request's JSON body: bytes per prompt token, plus the envelope.
@@ -206,169 +217,6 @@ def parse_policy(text: str, guard_config: GuardConfig | None = None) -> Policy:
     raise ValueError(f"unknown policy {text!r}: use none, static:N (N >= 0), guard or predictive")
 
 
-# -- results -----------------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class RequestOutcome:
-    """What happened to one trace request."""
-
-    request_id: int
-    tier: Tier
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    admitted: bool
-    #: When the policy let it through (after any wait).
-    admitted_at: float | None = None
-    #: Admitted requests in flight right after this one was admitted, and the cap then in
-    #: force (``None`` for the none policy).
-    inflight_at_admission: int | None = None
-    cap_at_admission: int | None = None
-    first_token_at: float | None = None
-    #: When its last token came (its end, for a finished request).
-    last_token_at: float | None = None
-    tokens: int = 0
-    finished: bool = False
-    #: The engine refused it (prompt plus output longer than the model allows) or died.
-    failed: bool = False
-    #: Why the policy refused it: a guard_core reject code, or ``static_limit``.
-    reject_code: str | None = None
-    #: Leading prompt tokens the prefix cache held when it reached the engine (0: none, or not
-    #: submitted, or no ``hash_ids`` in the trace).
-    cached_prompt_tokens: int = 0
-    #: Seconds the uncached part of its prompt alone takes to prefill on an idle engine of the
-    #: profile (see :func:`~guard_adapters.engine_model.idle_prefill_s`); 0 when not computed.
-    idle_prefill_s: float = 0.0
-
-    @property
-    def ttft_s(self) -> float | None:
-        if self.first_token_at is None:
-            return None
-        return self.first_token_at - self.arrival_s
-
-    @property
-    def user_tps(self) -> float | None:
-        """Per-user decode speed, for requests that got at least two tokens."""
-        first, last = self.first_token_at, self.last_token_at
-        if self.tokens < 2 or first is None or last is None or last <= first:
-            return None
-        return (self.tokens - 1) / (last - first)
-
-    @property
-    def good(self) -> bool:
-        """Finished, first token within 1 s, and at least 20 tok/s (one-token answers pass)."""
-        ttft = self.ttft_s
-        if not self.finished or ttft is None or ttft > GOOD_TTFT_S:
-            return False
-        tps = self.user_tps
-        return tps is None or tps >= GOOD_TPS
-
-    @property
-    def good_prompt_aware(self) -> bool:
-        """Like :attr:`good`, with the TTFT bound widened by this prompt's idle prefill time."""
-        ttft = self.ttft_s
-        if not self.finished or ttft is None or ttft > GOOD_TTFT_S + self.idle_prefill_s:
-            return False
-        tps = self.user_tps
-        return tps is None or tps >= GOOD_TPS
-
-
-@attrs.frozen(kw_only=True)
-class SeriesPoint:
-    """The state at ``at`` (a whole number of sample intervals) and the second before it."""
-
-    at: float
-    #: The cap in force (``None``: no cap).
-    cap: int | None
-    inflight: int
-    running: int
-    waiting: int
-    guard_waiting: int
-    #: Time-weighted mean per-user speed of the requests decoding in the interval before.
-    user_tps: float | None
-
-
-def quantile(ordered: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks; ``None`` for no data."""
-    if not ordered:
-        return None
-    position = (len(ordered) - 1) * q
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-@attrs.frozen(kw_only=True)
-class TierSummary:
-    requests: int
-    admitted: int
-    rejected: int
-    user_tps_p5: float | None
-    user_tps_p50: float | None
-    ttft_p50_s: float | None
-    ttft_p95_s: float | None
-    ttft_p99_s: float | None
-    goodput_per_s: float
-    #: Goodput counting :attr:`RequestOutcome.good_prompt_aware` requests.
-    goodput_prompt_aware_per_s: float
-
-    @classmethod
-    def of(cls, outcomes: Sequence[RequestOutcome], duration_s: float) -> TierSummary:
-        speeds = sorted(s for s in (o.user_tps for o in outcomes) if s is not None)
-        ttfts = sorted(t for t in (o.ttft_s for o in outcomes) if t is not None)
-        admitted = sum(o.admitted for o in outcomes)
-        good = sum(o.good for o in outcomes)
-        good_prompt_aware = sum(o.good_prompt_aware for o in outcomes)
-        return cls(
-            requests=len(outcomes),
-            admitted=admitted,
-            rejected=len(outcomes) - admitted,
-            user_tps_p5=quantile(speeds, 0.05),
-            user_tps_p50=quantile(speeds, 0.50),
-            ttft_p50_s=quantile(ttfts, 0.50),
-            ttft_p95_s=quantile(ttfts, 0.95),
-            ttft_p99_s=quantile(ttfts, 0.99),
-            goodput_per_s=good / duration_s if duration_s > 0 else 0.0,
-            goodput_prompt_aware_per_s=good_prompt_aware / duration_s if duration_s > 0 else 0.0,
-        )
-
-    def as_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-
-@attrs.frozen(kw_only=True)
-class SimulationResult:
-    policy: str
-    profile: str
-    #: The span the goodput is divided by: the last arrival's time, or the end of the
-    #: simulation for a trace whose requests all arrive at once.
-    duration_s: float
-    #: When the last admitted request ended.
-    end_s: float
-    requests: tuple[RequestOutcome, ...]
-    series: tuple[SeriesPoint, ...]
-    summary: Mapping[str, TierSummary]
-    polls: int = 0
-    #: Guard polls by the reason that set the published cap.
-    limit_reasons: Mapping[str, int] = attrs.field(factory=dict)
-    preemptions: int = 0
-    #: Admitted requests the engine refused (too long for the model).
-    engine_refused: int = 0
-
-    def as_json(self) -> dict[str, dict[str, Any]]:
-        return {tier: self.summary[tier].as_json() for tier in TIERS}
-
-
-def summarise(outcomes: Sequence[RequestOutcome], duration_s: float) -> dict[str, TierSummary]:
-    """The summary rows ``all``, ``premium`` and ``basic``."""
-    return {
-        "all": TierSummary.of(outcomes, duration_s),
-        "premium": TierSummary.of([o for o in outcomes if o.tier is Tier.PREMIUM], duration_s),
-        "basic": TierSummary.of([o for o in outcomes if o.tier is Tier.BASIC], duration_s),
-    }
-
-
 # -- the loop ----------------------------------------------------------------------------------
 
 
@@ -379,6 +227,7 @@ class _Req:
         "admitted",
         "admitted_at",
         "arrival",
+        "backend",
         "cached",
         "cap",
         "failed",
@@ -402,6 +251,8 @@ class _Req:
         self.output = request.output_tokens
         self.hash_ids = request.hash_ids
         self.cached = 0
+        #: The backend it was submitted to (``None``: not submitted).
+        self.backend: int | None = None
         self.tier = tier
         self.admitted = False
         self.admitted_at: float | None = None
@@ -432,6 +283,7 @@ class _Req:
             failed=self.failed,
             reject_code=self.reject_code,
             cached_prompt_tokens=self.cached,
+            backend=self.backend,
             idle_prefill_s=idle_prefill_s(profile, max(1, self.prompt) - self.cached),
         )
 
@@ -448,6 +300,9 @@ class _Run:
         poll_interval_s: float,
         sample_interval_s: float,
         slowdowns: Sequence[Slowdown] = (),
+        backends: int = 1,
+        slow_backend: float = 1.0,
+        router: Router | None = None,
     ) -> None:
         flags = premium_flags(len(trace), premium_share, seed=seed)
         self.reqs = [
@@ -455,8 +310,16 @@ class _Run:
             for i, (r, premium) in enumerate(zip(trace, flags, strict=True))
         ]
         self.policy = policy
-        self.engine = Engine(profile, seed=seed, token_events=False)
-        self.prefix_cache = _prefix_cache(trace, profile)
+        engines = [Engine(profile, seed=seed + i, token_events=False) for i in range(backends)]
+        factors = [1.0] * (backends - 1) + [slow_backend]
+        self.engine = EnginePool(engines, factors)
+        self.names = (
+            (_BACKEND,) if backends == 1 else tuple(f"{_BACKEND}-{i}" for i in range(backends))
+        )
+        self.caches = [_prefix_cache(trace, profile) for _ in range(backends)]
+        self.router = router
+        #: Requests in flight per backend.
+        self.loads = [0] * backends
         #: (virtual time, speed factor from then on), in time order; the next one at ``slow_at``.
         self.slow_steps = _slowdown_steps(slowdowns)
         self.slow_at = 0
@@ -490,19 +353,35 @@ class _Run:
         if self.guard is not None:
             forwarded = Forwarded(at=at, request_id=req.rid)
             self.guard = apply_guard_event(self.guard, forwarded).state
+        backend = self._route(req, at)
+        req.backend = backend
+        self.loads[backend] += 1
+        if self.guard is not None and len(self.names) > 1:
+            sent = BackendForwarded(at=at, backend=self.names[backend])
+            self.guard = apply_guard_event(self.guard, sent).state
         request = self._sim_request(req)
         try:
-            self.engine.submit(request, at=at)
+            self.engine.submit(request, at=at, backend=backend)
         except RequestTooLong:
             self.refused += 1
             req.failed = True
             self._end(req, at)
+            req.backend = None  # never reached the engine
+
+    def _route(self, req: _Req, at: float) -> int:
+        """The backend ``req`` goes to (always 0 for one backend)."""
+        if self.router is None or len(self.names) == 1:
+            return 0
+        routed = RoutedRequest(
+            prompt_tokens=req.prompt, body_bytes=_body_bytes(req.prompt), hash_ids=req.hash_ids
+        )
+        return self.router.choose(routed, self.names, self.loads, self.guard, at=at)
 
     def _sim_request(self, req: _Req) -> SimRequest:
         """What the engine is given for ``req``; its cached prefix is looked up now."""
         prompt = max(1, req.prompt)
         output = max(1, req.output)
-        cache = self.prefix_cache
+        cache = self.caches[req.backend or 0]
         # A request the engine will refuse as too long never computes, so never caches, a block.
         fits = prompt + output <= self.engine.profile.max_model_len
         if cache is not None and req.hash_ids and fits:
@@ -528,8 +407,13 @@ class _Run:
 
     def _end(self, req: _Req, at: float) -> None:
         self.inflight -= 1
+        if req.backend is not None:
+            self.loads[req.backend] -= 1
         if self.guard is None:
             return
+        if len(self.names) > 1 and req.backend is not None:
+            ended = BackendFinished(at=at, backend=self.names[req.backend])
+            self.guard = apply_guard_event(self.guard, ended).state
         self.guard = apply_guard_event(self.guard, Finished(at=at, request_id=req.rid)).state
         if self.waiters:
             self._retry(at, everyone=True)
@@ -571,8 +455,11 @@ class _Run:
 
     def _poll(self, at: float) -> None:
         assert self.guard is not None
-        sample = _backend_sample(self.engine.metrics())
-        poll = MetricsPolled(at, (BackendPoll(name=_BACKEND, sample=sample),))
+        polls = tuple(
+            BackendPoll(name=name, sample=_backend_sample(m))
+            for name, m in zip(self.names, self.engine.metrics(), strict=True)
+        )
+        poll = MetricsPolled(at, polls)
         step = apply_guard_event(self.guard, poll)
         self.guard = step.state
         self.polls += 1
@@ -583,9 +470,11 @@ class _Run:
             self._retry(at, everyone=True)
 
     def _sample(self, at: float) -> None:
-        m = self.engine.metrics()
+        each = self.engine.metrics()
+        running = sum(m.running for m in each)
+        waiting = sum(m.waiting for m in each)
         guard_waiting = self.guard.gate.waiting if self.guard is not None else 0
-        self.samples.append((at, self._cap(), self.inflight, m.running, m.waiting, guard_waiting))
+        self.samples.append((at, self._cap(), self.inflight, running, waiting, guard_waiting))
 
     def _engine_event(self, event: TokenEvent) -> None:
         req = self.reqs[event.request_id]
@@ -655,7 +544,7 @@ class _Run:
         return last_arrival, end
 
     def preemptions(self) -> int:
-        return self.engine.metrics().preemptions_total
+        return sum(m.preemptions_total for m in self.engine.metrics())
 
 
 #: ``(at_s, duration_s, factor)``: engine steps take ``factor`` times as long over that window.
@@ -728,27 +617,6 @@ def _histogram(bounds: Sequence[float], cumulative: Sequence[int], total: float)
     return Histogram(buckets, float(cumulative[-1]), total)
 
 
-def _user_tps_series(
-    outcomes: Sequence[RequestOutcome], interval: float, points: int
-) -> list[float | None]:
-    """Per interval ``k`` (ending at ``(k + 1) * interval``), the overlap-weighted mean speed."""
-    weight = [0.0] * points
-    total = [0.0] * points
-    for outcome in outcomes:
-        speed = outcome.user_tps
-        first, last = outcome.first_token_at, outcome.last_token_at
-        if speed is None or first is None or last is None:
-            continue
-        k = int(first // interval)
-        while k < points and k * interval < last:
-            overlap = min(last, (k + 1) * interval) - max(first, k * interval)
-            if overlap > 0:
-                weight[k] += overlap
-                total[k] += overlap * speed
-            k += 1
-    return [t / w if w > 0 else None for t, w in zip(total, weight, strict=True)]
-
-
 def simulate(
     trace: Sequence[TraceRequest],
     policy: Policy | str,
@@ -760,6 +628,9 @@ def simulate(
     guard_config: GuardConfig | None = None,
     sample_interval_s: float = 1.0,
     slowdowns: Sequence[Slowdown] = (),
+    backends: int = 1,
+    slow_backend: float = 1.0,
+    routing: Router | str = "round-robin",
 ) -> SimulationResult:
     """Run ``trace`` through ``policy`` in front of a fresh simulated engine.
 
@@ -767,6 +638,12 @@ def simulate(
     the guard's settings. ``trace`` must be sorted by arrival (as the loaders return it).
     ``slowdowns`` are ``(at_s, duration_s, factor)`` windows of a slower engine (see
     :func:`validate_slowdowns`).
+
+    ``backends`` engines of the same profile make a pool (each its own prefix cache; the policy's
+    cap is the pool's), ``slow_backend`` makes the last of them that many times slower for the
+    whole run, and ``routing`` places each admitted request (see
+    :mod:`guard_adapters.sim_routing`; a name gives a fresh router). One backend (the default)
+    is exactly the single-engine simulation, whatever the routing.
     """
     if isinstance(policy, str):
         policy = parse_policy(policy, guard_config)
@@ -779,6 +656,11 @@ def simulate(
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(trace)):
         raise ValueError("the trace must be sorted by arrival time")
     slowdowns = validate_slowdowns(slowdowns)
+    if backends < 1:
+        raise ValueError(f"backends must be >= 1, got {backends}")
+    if not (math.isfinite(slow_backend) and slow_backend > 0):
+        raise ValueError(f"slow_backend must be finite and > 0, got {slow_backend}")
+    router = parse_routing(routing) if isinstance(routing, str) else routing
     run = _Run(
         trace,
         policy,
@@ -788,11 +670,14 @@ def simulate(
         poll_interval_s=poll_interval_s,
         sample_interval_s=sample_interval_s,
         slowdowns=slowdowns,
+        backends=backends,
+        slow_backend=slow_backend,
+        router=router,
     )
     last_arrival, end = run.run()
     outcomes = tuple(req.frozen(profile) for req in run.reqs)
     duration = last_arrival if last_arrival > 0 else end
-    speeds = _user_tps_series(outcomes, sample_interval_s, len(run.samples))
+    speeds = user_tps_series(outcomes, sample_interval_s, len(run.samples))
     series = tuple(
         SeriesPoint(
             at=at,
@@ -819,4 +704,8 @@ def simulate(
         limit_reasons=dict(sorted(run.limit_reasons.items(), key=lambda item: -item[1])),
         preemptions=run.preemptions(),
         engine_refused=run.refused,
+        routing=router.name,
+        backends=backend_loads(outcomes, run.names, duration_s=duration, end_s=end),
+        prefix_hit_rate=prefix_hit_rate(outcomes),
+        routes=dict(router.reasons()),
     )

@@ -4,10 +4,11 @@ Reads: its flags, the trace file, and optionally an engine profile file; no envi
 network (``--set`` gives the guard's settings).
 
 Guarantees: the same trace, seed and settings give the same figures (virtual time, seeded
-tiers; only the CPU time each policy took varies); one table per policy, in the order asked,
-with a row per tier; ``--json`` writes the
-same summaries and what the run was, ``--plot`` one chart per figure. Exits 2 on bad settings
-or flags, 1 on an unreadable trace.
+tiers; only the CPU time each policy took varies); one table per policy (per policy and routing
+with ``--backends``), in the order asked, with a row per tier; ``--json`` writes the
+same summaries and what the run was, ``--plot`` one chart per figure. Without ``--backends``
+the output is the single-engine simulation's, unchanged. Exits 2 on bad settings or flags, 1 on
+an unreadable trace.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from guard_adapters.engine_model import (
     EngineProfile,
     profile_from_json,
 )
+from guard_adapters.sim_routing import ROUTINGS, parse_routing
 from guard_adapters.simulation import (
     TIERS,
     SimulationResult,
@@ -37,6 +39,7 @@ from guard_adapters.simulation import (
     validate_slowdowns,
 )
 from guard_adapters.traces import head, premium_flags, read_trace, scale_rate
+from guard_core.affinity import DEFAULT_BOUND
 from guard_trio._cli_support import (
     add_overrides,
     figure,
@@ -69,6 +72,27 @@ def _policy_text(text: str) -> str:
 
 
 _positive = number(lambda value: math.isfinite(value) and value > 0, "a positive number")
+_above_one = number(lambda value: math.isfinite(value) and value > 1, "a number above 1")
+_at_least_one = number(lambda value: math.isfinite(value) and value >= 1, "a number >= 1")
+
+
+def _backends(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"expected 1 to 64 backends, got {value}")
+    return value
+
+
+def _routing(text: str) -> str:
+    spec = text.strip().lower()
+    if spec not in ROUTINGS:
+        raise argparse.ArgumentTypeError(f"unknown routing {text!r}: use {', '.join(ROUTINGS)}")
+    return spec
+
+
 _share = number(lambda value: 0.0 <= value <= 1.0, "in [0, 1]")
 
 
@@ -165,6 +189,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             " seconds; repeatable (windows must not overlap)"
         ),
     )
+    pool = parser.add_argument_group("backend pools")
+    pool.add_argument(
+        "--backends",
+        type=_backends,
+        metavar="N",
+        help="simulate a pool of N engines of the profile, each with its own prefix cache; the"
+        " policy's cap is the pool's (default: one engine, today's simulation)",
+    )
+    pool.add_argument(
+        "--slow-backend",
+        type=_at_least_one,
+        default=1.0,
+        metavar="FACTOR",
+        help="make the last backend FACTOR times slower (every step), for the whole run",
+    )
+    pool.add_argument(
+        "--routing",
+        dest="routings",
+        action="append",
+        type=_routing,
+        metavar="ROUTING",
+        help=(
+            f"{', '.join(ROUTINGS)}; repeatable (default: round-robin). guard: affinity with"
+            " bounded load on the prompt prefix, else the best predicted outcome"
+        ),
+    )
+    pool.add_argument(
+        "--affinity-bound",
+        type=_above_one,
+        default=DEFAULT_BOUND,
+        metavar="C",
+        help=f"the guard routing's load bound factor (default {DEFAULT_BOUND})",
+    )
     parser.add_argument(
         "--duration",
         type=_positive,
@@ -180,9 +237,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _print_result(result: SimulationResult, seconds: float, out: IO[str]) -> None:
+def _print_result(
+    result: SimulationResult, seconds: float, out: IO[str], *, pooled: bool = False
+) -> None:
+    label = result.policy if not pooled else f"{result.policy}/{result.routing}"
     out.write(
-        f"policy {result.policy}: {len(result.requests)} requests over"
+        f"policy {label}: {len(result.requests)} requests over"
         f" {result.duration_s:.0f} s of arrivals, drained at {result.end_s:.0f} s,"
         f" engine {result.profile}, {result.preemptions} preemptions"
         f" (simulated in {seconds:.1f} s)\n"
@@ -225,7 +285,45 @@ def _print_result(result: SimulationResult, seconds: float, out: IO[str]) -> Non
         out.write(f"cap set by (polls): {reasons}\n")
     if result.engine_refused:
         out.write(f"admitted but refused by the engine (too long): {result.engine_refused}\n")
+    if pooled:
+        _print_backends(result, out)
     out.write("\n")
+
+
+def _print_backends(result: SimulationResult, out: IO[str]) -> None:
+    hit = figure(result.prefix_hit_rate, 3)
+    routes = ", ".join(f"{reason} {n}" for reason, n in sorted(result.routes.items()))
+    out.write(f"prefix hit rate {hit}" + (f"; routed by {routes}" if routes else "") + "\n")
+    rows: list[tuple[str, ...]] = [("backend", "requests", "busy", "prefix hit", "goodput/s")]
+    for backend in result.backends:
+        rows.append(
+            (
+                backend.name,
+                str(backend.requests),
+                figure(backend.busy_share, 2),
+                figure(backend.prefix_hit_rate, 3),
+                figure(backend.goodput_per_s, 2),
+            )
+        )
+    write_table(rows, out)
+
+
+def _json_results(
+    results: Sequence[SimulationResult], *, pooled: bool, several: bool
+) -> dict[str, Any]:
+    """The summaries by policy (by "<policy>/<routing>" when several routings ran); a pool's
+    also carry its prefix hit rate, routing, how the router chose and each backend's load."""
+    document: dict[str, Any] = {}
+    for result in results:
+        entry: dict[str, Any] = result.as_json()
+        if pooled:
+            entry["prefix_hit_rate"] = result.prefix_hit_rate
+            entry["routing"] = result.routing
+            entry["routes"] = dict(result.routes)
+            entry["backends"] = [backend.as_json() for backend in result.backends]
+        key = f"{result.policy}/{result.routing}" if several else result.policy
+        document[key] = entry
+    return document
 
 
 def _load_pyplot() -> Any:
@@ -235,6 +333,11 @@ def _load_pyplot() -> Any:
         return None
     matplotlib.use("Agg")
     return importlib.import_module("matplotlib.pyplot")
+
+
+def _label(result: SimulationResult) -> str:
+    """A result's name in a chart: its policy, and its routing for a pool."""
+    return result.policy if len(result.backends) <= 1 else f"{result.policy}/{result.routing}"
 
 
 def _plot(results: Sequence[SimulationResult], directory: Path, pyplot: Any) -> list[Path]:
@@ -249,7 +352,9 @@ def _plot(results: Sequence[SimulationResult], directory: Path, pyplot: Any) -> 
             axes.plot(
                 [at for at, _ in points],
                 [math.nan if value is None else value for _, value in points],
-                label=result.policy,
+                label=result.policy
+                if len(result.backends) <= 1
+                else f"{result.policy}/{result.routing}",
                 linewidth=0.8,
             )
         axes.set_title(title)
@@ -323,24 +428,34 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"engine from {profile_path}")
     for at_s, duration_s, factor in slowdowns:
         notes.append(f"engine x{factor:g} slower from {at_s:g} s for {duration_s:g} s")
+    pooled = args.backends is not None
+    routings = list(dict.fromkeys(args.routings or ("round-robin",)))
+    if pooled:
+        notes.append(f"{args.backends} backends, routing {' '.join(routings)}")
+        if args.slow_backend != 1:
+            notes.append(f"the last backend x{args.slow_backend:g} slower")
     out.write(f"{args.trace}: {len(trace)} requests ({trace_file.format}), {', '.join(notes)}\n\n")
     results = []
     for text in policies:
-        started = time.process_time()
-        result = simulate(
-            trace,
-            parse_policy(text, guard_config),
-            profile=profile,
-            seed=args.seed,
-            premium_share=args.premium_share,
-            poll_interval_s=poll_interval_s,
-            slowdowns=slowdowns,
-        )
-        _print_result(result, time.process_time() - started, out)
-        results.append(result)
+        for routing in routings if pooled else ("round-robin",):
+            started = time.process_time()
+            result = simulate(
+                trace,
+                parse_policy(text, guard_config),
+                profile=profile,
+                seed=args.seed,
+                premium_share=args.premium_share,
+                poll_interval_s=poll_interval_s,
+                slowdowns=slowdowns,
+                backends=args.backends or 1,
+                slow_backend=args.slow_backend,
+                routing=parse_routing(routing, bound=args.affinity_bound),
+            )
+            _print_result(result, time.process_time() - started, out, pooled=pooled)
+            results.append(result)
     if args.json is not None:
         document = {
-            "policies": {result.policy: result.as_json() for result in results},
+            "policies": _json_results(results, pooled=pooled, several=len(routings) > 1),
             "run": {
                 "trace": str(args.trace),
                 "format": str(trace_file.format),
@@ -354,6 +469,16 @@ def run(args: argparse.Namespace) -> int:
                 "slowdowns": [list(window) for window in slowdowns],
                 "duration_s": args.duration,
                 "settings": list(args.overrides),
+                **(
+                    {
+                        "backends": args.backends,
+                        "slow_backend": args.slow_backend,
+                        "routings": routings,
+                        "affinity_bound": args.affinity_bound,
+                    }
+                    if pooled
+                    else {}
+                ),
             },
         }
         write_json(args.json, document)

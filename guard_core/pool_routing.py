@@ -1,0 +1,80 @@
+"""The router of one pool: affinity first, else the best predicted outcome.
+
+Reads: the pool's :class:`~guard_core.ranking.Candidate` values (configuration order), its
+affinity :class:`~guard_core.affinity.Ring` (built once from the same names), the request's
+affinity key (``None`` when it has none, or when affinity is off) and the load bound.
+
+The order:
+
+1. only eligible backends are considered (not ejected, not marked full); none: no route;
+2. with a key, the backend consistent hashing with bounded loads gives it
+   (:func:`guard_core.affinity.choose` over the eligible backends and their loads), when that
+   backend has room (for the predictive learner: its outlook for this request is within the
+   speed and TTFT targets); it keeps the request's prefix cache warm;
+3. otherwise the best-ranked eligible backend (:func:`guard_core.ranking.best`: those with
+   room first, by predicted speed subject to TTFT, or by PIG's score), where a backend whose
+   load would pass the same bound counts as having no room: ranking may send a slow backend
+   less work, but never piles more than the bound on the fast ones, so a backend the model
+   misjudges still gets requests to learn from and the pool is never narrowed to one engine.
+
+Guarantees: pure and deterministic; the route names an eligible backend whenever one exists;
+no choice carries a backend past the load bound while an eligible backend with room is within
+it; the reason says which rule chose.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+from guard_core import affinity
+from guard_core.ranking import Candidate, best
+
+__all__ = ("Route", "RouteReason", "route")
+
+
+class RouteReason(enum.StrEnum):
+    AFFINITY = "affinity"
+    RANKED = "ranked"
+
+
+@attrs.frozen
+class Route:
+    """The chosen backend (an index into the candidates and its name) and why."""
+
+    index: int
+    name: str
+    reason: RouteReason
+
+
+def route(
+    candidates: Sequence[Candidate],
+    *,
+    ring: affinity.Ring | None,
+    key: int | None,
+    bound: float = affinity.DEFAULT_BOUND,
+) -> Route | None:
+    """Where this request goes (see the module notes); ``None`` when no backend is eligible."""
+    positions = {candidate.name: index for index, candidate in enumerate(candidates)}
+    eligible = {c.name for c in candidates if c.eligible}
+    if key is not None and ring is not None:
+        loads = {c.name: c.load for c in candidates}
+        name = affinity.choose(ring, key, loads, bound, eligible=eligible)
+        if name is not None and name in positions:
+            index = positions[name]
+            if candidates[index].room:
+                return Route(index, name, RouteReason.AFFINITY)
+    if eligible:
+        limit = affinity.load_bound(
+            sum(max(0, c.load) for c in candidates if c.eligible), len(eligible), bound
+        )
+        candidates = [
+            c if c.load + 1 <= limit or not c.room else attrs.evolve(c, room=False)
+            for c in candidates
+        ]
+    ranked = best(candidates)
+    if ranked is None:
+        return None
+    return Route(ranked, candidates[ranked].name, RouteReason.RANKED)
