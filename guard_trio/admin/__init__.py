@@ -11,7 +11,14 @@ stream), ``_serve`` (the listener and its lifecycle), ``dashboard.html`` (the pa
 The routes and the schema are described in docs/admin.md.
 """
 
-from guard_trio.admin._hub import DROPPED_CODE, GOING_AWAY_CODE, AdminHub
+from guard_trio.admin._hub import DROPPED_CODE, GOING_AWAY_CODE, AdminHub, decision_now
 from guard_trio.admin._serve import AdminPlane, serve_admin
 
-__all__ = ("DROPPED_CODE", "GOING_AWAY_CODE", "AdminHub", "AdminPlane", "serve_admin")
+__all__ = (
+    "DROPPED_CODE",
+    "GOING_AWAY_CODE",
+    "AdminHub",
+    "AdminPlane",
+    "decision_now",
+    "serve_admin",
+)

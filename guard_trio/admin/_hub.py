@@ -21,7 +21,7 @@ Guarantees:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
@@ -82,6 +82,26 @@ class _Pending:
     verdict: Prediction | None
 
 
+def tier_counts(server: GuardServer) -> tuple[TierCounts, TierCounts]:
+    """A guard's cumulative admissions and refusals per tier (``pig_tier_requests_total``)."""
+    accepted, rejected = server.metrics.tier_accepted, server.metrics.tier_rejected
+    return (
+        TierCounts(int(accepted[Tier.BASIC].value), int(accepted[Tier.PREMIUM].value)),
+        TierCounts(int(rejected[Tier.BASIC].value), int(rejected[Tier.PREMIUM].value)),
+    )
+
+
+def decision_now(server: GuardServer) -> dict[str, Any]:
+    """The decision message for a guard's state as it is now (what the stream sends a round)."""
+    admitted, refused = tier_counts(server)
+    return decision_message(
+        server.engine.state,
+        at=server.engine.seconds_since_start(),
+        admitted=admitted,
+        refused=refused,
+    )
+
+
 class AdminHub:
     """Turns rounds and request events into messages for the viewers of one guard."""
 
@@ -103,12 +123,7 @@ class AdminHub:
 
     def counts(self) -> tuple[TierCounts, TierCounts]:
         """Cumulative admissions and refusals per tier (``pig_tier_requests_total``)."""
-        metrics = self.server.metrics
-        accepted, rejected = metrics.tier_accepted, metrics.tier_rejected
-        return (
-            TierCounts(int(accepted[Tier.BASIC].value), int(accepted[Tier.PREMIUM].value)),
-            TierCounts(int(rejected[Tier.BASIC].value), int(rejected[Tier.PREMIUM].value)),
-        )
+        return tier_counts(self.server)
 
     # -- viewers --------------------------------------------------------------------------------
 

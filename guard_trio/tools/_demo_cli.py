@@ -54,8 +54,10 @@ import trio
 
 from guard_adapters.config import load_config
 from guard_adapters.engine_model import PROFILES, idle_prefill_s
+from guard_adapters.live_view import LiveView, compact_line, fold
 from guard_trio._cli_support import figure, number, write_json, write_table
 from guard_trio._server import GuardServer
+from guard_trio.admin import decision_now
 from guard_trio.tools.sim_backend import SimBackend, SimBackendConfig
 
 PROFILE = "2xa100-tp2-qwen2.5-32b"
@@ -342,7 +344,11 @@ def _quantile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def _progress_line(phase: _Phase, backend: SimBackend, guard: GuardServer | None) -> str:
+def _progress_line(
+    phase: _Phase, backend: SimBackend, guard: GuardServer | None, view: LiveView
+) -> str:
+    """The clients' own figures, then the guard's as ``inference-guard watch`` prints its line
+    (the same message, folded into the same view, drawn by the same renderer)."""
     now = trio.current_time()
     recent_speeds: list[float] = []
     recent_ttfts: list[float] = []
@@ -354,20 +360,12 @@ def _progress_line(phase: _Phase, backend: SimBackend, guard: GuardServer | None
         if o.first_token_at is not None and now - o.first_token_at <= RECENT_S:
             recent_ttfts.append(o.first_token_at - o.started)
     metrics = backend.engine_metrics()
-    if guard is not None:
-        gate = guard.engine.state.gate
-        decision = gate.decision
-        guard_part = (
-            f"cap {decision.cap:>3} {decision.state.value:<6} {decision.final_reason.value:<10}"
-            f" in-flight {gate.inflight:>3} queue {gate.waiting:>2}"
-        )
-    else:
-        guard_part = f"{'no guard':<25} in-flight {'-':>3} queue {'-':>2}"
+    guard_part = "no guard" if guard is None else compact_line(view)
     return (
         f"{phase.name:<9} {phase.elapsed():4.0f}s users {phase.plan.users_at(phase.elapsed()):>3}"
-        f" | {guard_part} | backend run {metrics.running:>3} wait {metrics.waiting:>3}"
+        f" | backend run {metrics.running:>3} wait {metrics.waiting:>3}"
         f" | user tok/s p50 {figure(_quantile(recent_speeds, 0.5)):>5}"
-        f" TTFT p95 {figure(_quantile(recent_ttfts, 0.95), 2):>5} s"
+        f" TTFT p95 {figure(_quantile(recent_ttfts, 0.95), 2):>5} s | {guard_part}"
     )
 
 
@@ -375,10 +373,13 @@ async def _monitor(
     phase: _Phase, backend: SimBackend, guard: GuardServer | None, out: IO[str]
 ) -> None:
     tty = out.isatty()
+    view = LiveView()
     try:
         while True:
             await trio.sleep(1.0)
-            line = _progress_line(phase, backend, guard)
+            if guard is not None:
+                view = fold(view, decision_now(guard))
+            line = _progress_line(phase, backend, guard, view)
             out.write(f"\r{line}\x1b[K" if tty else f"{line}\n")
             out.flush()
     finally:

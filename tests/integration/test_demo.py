@@ -24,6 +24,11 @@ def test_quick_demo_shows_the_predictive_learner_serving_the_most_good_requests(
     assert "TTFT p95" in done.stdout
     assert "good" in done.stdout
     assert "predictive  basic" in done.stdout
+    # The live line of a guarded phase is watch's own line (the same renderer).
+    live = [line for line in done.stdout.splitlines() if line.startswith("predictive")]
+    assert any(" | t " in line and "  cap " in line and "admitted/s" in line for line in live)
+    unguarded_lines = [line for line in done.stdout.splitlines() if line.startswith("unguarded")]
+    assert any(line.endswith("| no guard") for line in unguarded_lines)
 
     document = json.loads(out.read_text())
     phases = document["phases"]
