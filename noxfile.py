@@ -87,6 +87,7 @@ def bench(session: nox.Session) -> None:
     quick = {"--quick", "--smoke"} & set(session.posargs)
     session.run("python", "bench/bench_sim_backend.py", *(["--seconds", "5"] if quick else []))
     session.run("python", "bench/bench_proxy.py", *session.posargs)
+    session.run("python", "bench/bench_admin.py", *(["--seconds", "2"] if quick else []))
     peers_dir = Path(session.virtualenv.location).parent / "peers"
     session.run("python", "bench/bench_peers.py", "--peers-dir", str(peers_dir), *session.posargs)
 
