@@ -48,6 +48,7 @@ __all__ = (
     "choose_backend",
     "is_probe",
     "is_stale",
+    "takes_work",
 )
 
 #: A status not refreshed for more than this many poll intervals is stale.
@@ -117,7 +118,8 @@ def is_probe(view: BackendView, *, now: float) -> bool:
     return availability(view.health, now=now) is Availability.PROBE
 
 
-def _ready(view: BackendView, now: float) -> bool:
+def takes_work(view: BackendView, *, now: float) -> bool:
+    """Health lets the backend take a new request now (available, or half-open)."""
     return availability(view.health, now=now) in (Availability.AVAILABLE, Availability.PROBE)
 
 
@@ -170,12 +172,23 @@ def choose_backend(
     dynamic: bool,
     capacity_ratio: float = 0.42,
     target_user_tps: float = 25.0,
+    tried: frozenset[int] = frozenset(),
 ) -> int | None:
-    """The index of the backend to use, or ``None`` when there are no backends at all."""
+    """The index of the backend to use, or ``None`` when there are no backends at all.
+
+    ``tried``: the backends a request already went to (a retry elsewhere); they are left out,
+    and so is every backend health does not let take work: ``None`` when none is left.
+    """
     _check_settings(poll_interval_s, capacity_ratio, target_user_tps)
     best: int | None = None
     best_score = 0.0
-    ready = [index for index, view in enumerate(backends) if _ready(view, now)]
+    ready = [
+        index
+        for index, view in enumerate(backends)
+        if index not in tried and takes_work(view, now=now)
+    ]
+    if tried and not ready:
+        return None
     for index in ready:
         view = backends[index]
         if dynamic and (view.failed or is_stale(view, now=now, poll_interval_s=poll_interval_s)):

@@ -221,10 +221,7 @@ def failing_open(state: GateState) -> bool:
     config = state.config
     decision = state.decision
     return (
-        config.fail_open
-        and config.dynamic
-        and decision.cap <= 0
-        and decision.backend_unavailable
+        config.fail_open and config.dynamic and decision.cap <= 0 and decision.backend_unavailable
     )
 
 

@@ -59,7 +59,9 @@ def run(
         at += gap
         before = state.of(NAME) or BackendHealth(name=NAME)
         happened = event(kind, at)
-        state = polled(state, (NAME,)) if happened is None else apply_health(state, happened, config)
+        state = (
+            polled(state, (NAME,)) if happened is None else apply_health(state, happened, config)
+        )
         seen.append((kind, at, before, state.of(NAME) or BackendHealth(name=NAME)))
     return seen
 

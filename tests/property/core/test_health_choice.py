@@ -119,9 +119,7 @@ def closed_decision(kind: str) -> PublishedDecision:
     return PublishedDecision.all_polls_failed(at=0.0, backend_count=2)
 
 
-def drive(
-    gate: GateState, plan: list[tuple[str, float]]
-) -> list[tuple[GateState, object | None]]:
+def drive(gate: GateState, plan: list[tuple[str, float]]) -> list[tuple[GateState, object | None]]:
     at = 1.0
     seen: list[tuple[GateState, object | None]] = []
     held: list[Tier] = []
