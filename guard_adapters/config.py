@@ -111,6 +111,7 @@ from guard_core.settings import (
 from guard_core.signal_state import SignalThresholds
 
 __all__ = (
+    "FAILURE_MODES",
     "POLICIES",
     "PRIORITY_MODES",
     "REDACTED",
@@ -119,7 +120,6 @@ __all__ = (
     "VARIABLES",
     "Backend",
     "ConfigError",
-    "FAILURE_MODES",
     "Environment",
     "LaneThresholds",
     "Settings",
