@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -100,7 +102,8 @@ def test_half_open_admits_at_most_one_probe_at_a_time(plan: list[tuple[str, floa
     outstanding = 0
     for kind, at, before, after in run(plan):
         if kind == "probe" and availability(before, now=at) is Availability.PROBE:
-            assert after.probing and after.probes == before.probes + 1
+            assert after.probing
+            assert after.probes == before.probes + 1
             assert availability(after, now=at) is Availability.PROBING
             outstanding += 1
         elif kind == "probe":
@@ -115,7 +118,7 @@ def test_half_open_admits_at_most_one_probe_at_a_time(plan: list[tuple[str, floa
 def test_backoff_is_monotone_and_capped(plan: list[tuple[str, float]]) -> None:
     lengths = [backoff_s(CONFIG, streak) for streak in range(1, 80)]
     assert lengths[0] == CONFIG.backoff_s
-    assert all(a <= b for a, b in zip(lengths, lengths[1:], strict=False))
+    assert all(a <= b for a, b in itertools.pairwise(lengths))
     assert max(lengths) == CONFIG.backoff_max_s
     for _kind, at, before, after in run(plan):
         if after.ejections > before.ejections:
@@ -196,7 +199,8 @@ def test_zero_never_ejects() -> None:
     for i in range(50):
         state = apply_health(state, BackendFailed(float(i), NAME, Failure.CONNECT), config)
     health = state.of(NAME)
-    assert health is not None and health.ejections == 0
+    assert health is not None
+    assert health.ejections == 0
     assert availability(health, now=100.0) is Availability.AVAILABLE
 
 

@@ -73,7 +73,8 @@ def ready(view: BackendView) -> bool:
 def test_a_pool_always_gets_a_backend(raw: Any, dynamic: bool) -> None:
     backends = build(raw)
     chosen = choose_backend(backends, now=NOW, poll_interval_s=1.0, dynamic=dynamic)
-    assert chosen is not None and 0 <= chosen < len(backends)
+    assert chosen is not None
+    assert 0 <= chosen < len(backends)
 
 
 @given(views, st.booleans())
@@ -100,7 +101,8 @@ def test_health_changes_nothing_among_backends_it_lets_take_work(raw: Any) -> No
     ]
     plain = choose_backend(backends, now=NOW, poll_interval_s=1.0, dynamic=True)
     assert choose_backend(half_open, now=NOW, poll_interval_s=1.0, dynamic=True) == plain
-    assert plain is not None and is_probe(half_open[plain], now=NOW)
+    assert plain is not None
+    assert is_probe(half_open[plain], now=NOW)
     assert not is_probe(backends[plain], now=NOW)
 
 
