@@ -189,3 +189,39 @@ def test_open_changes_nothing_while_metrics_decide(cap: int, limit: int) -> None
     opened = gate_with(decision, global_limit=limit, fail_open=True)
     assert seen(opened) == seen(gate_with(decision, global_limit=limit))
     assert not failing_open(gate_with(decision, global_limit=limit, fail_open=True))
+
+
+# -- health as core state ----------------------------------------------------------------------
+
+
+@given(st.lists(st.sampled_from(("fail", "ok", "full")), max_size=30))
+def test_health_is_guard_state_that_backend_choice_reads(kinds: list[str]) -> None:
+    """Health events change GuardState.health through the guard's one reducer, and the
+    views backend choice reads carry exactly that state."""
+    from guard_core import GuardConfig, GuardState, apply_guard_event
+    from guard_core.backend_choice import backend_views
+    from guard_core.health import (
+        BackendFailed,
+        BackendFull,
+        BackendSucceeded,
+        Failure,
+        HealthState,
+        apply_health,
+    )
+
+    config = GuardConfig()
+    state = GuardState.initial(config, at=0.0)
+    expected = HealthState()
+    for step, kind in enumerate(kinds):
+        at = float(step)
+        event = {
+            "fail": BackendFailed(at, "b0", Failure.RESET),
+            "ok": BackendSucceeded(at, "b0"),
+            "full": BackendFull(at, "b0"),
+        }[kind]
+        state = apply_guard_event(state, event).state
+        expected = apply_health(expected, event, config.health)
+    assert state.health == expected
+    view, other = backend_views(("b0", "b1"), state.published, state.traffic, state.health)
+    assert view.health == expected.of("b0")
+    assert other.health is None
