@@ -93,6 +93,7 @@ from guard_adapters.openai_body import (
 from guard_core.decision import LoadState
 from guard_core.gate import GateConfig
 from guard_core.guard import GuardConfig
+from guard_core.health import HealthConfig
 from guard_core.lanes import AdaptiveOutputConfig, Thresholds
 from guard_core.policy import PolicyConfig
 from guard_core.predictive import PredictiveConfig
@@ -110,6 +111,7 @@ from guard_core.settings import (
 from guard_core.signal_state import SignalThresholds
 
 __all__ = (
+    "FAILURE_MODES",
     "POLICIES",
     "PRIORITY_MODES",
     "REDACTED",
@@ -147,6 +149,9 @@ POLICIES: Final = ("pig", "predictive")
 #: ``PIG_RETRY_AFTER_MODE`` values: ``PIG_RETRY_AFTER_SECONDS`` always, or the learner's
 #: predicted seconds where it has them.
 RETRY_AFTER_MODES: Final = ("fixed", "predicted")
+#: ``PIG_FAILURE_MODE`` values, the default first: no intake without metrics (PIG's), or
+#: forward within ``GLOBAL_LIMIT``.
+FAILURE_MODES: Final = ("close", "open")
 
 
 #: The core configs whose fields name the variables they are read from, in the order their
@@ -157,6 +162,7 @@ _CORE_CONFIGS: Final = (
     GateConfig,
     AdaptiveOutputConfig,
     PredictiveConfig,
+    HealthConfig,
 )
 
 
@@ -421,6 +427,14 @@ class Environment:
         converter=_word,
         metadata={_WORD: True},
     )
+    # -- inference-guard's backend health and failure mode (docs/serve.md)
+    pig_failure_mode: str = attrs.field(
+        default=FAILURE_MODES[0], converter=_word, metadata={_WORD: True}
+    )
+    pig_backend_eject_failures: int = FROM_CONFIG
+    pig_backend_eject_seconds: float = FROM_CONFIG
+    pig_backend_eject_max_seconds: float = FROM_CONFIG
+    pig_backend_full_hold_seconds: float = FROM_CONFIG
     # -- spec 2.7: SSE
     sse_keepalive_enabled: bool = False
     sse_early_bridge_enabled: bool = False
@@ -524,6 +538,12 @@ class Settings:
         return self.env.dynamic_policy == POLICIES[1]
 
     @property
+    def fail_open(self) -> bool:
+        """``PIG_FAILURE_MODE=open``: with no usable metrics the guard forwards within
+        ``GLOBAL_LIMIT`` instead of refusing every request (PIG's ``close``)."""
+        return self.env.pig_failure_mode == FAILURE_MODES[1]
+
+    @property
     def retry_after_predicted(self) -> bool:
         """``PIG_RETRY_AFTER_MODE=predicted``: a 429 from admission says the learner's predicted
         seconds when it has them (``PIG_RETRY_AFTER_SECONDS`` otherwise; 0 still means none)."""
@@ -602,6 +622,7 @@ class Settings:
             queue_poll_ms=env.pig_queue_poll_ms if env.pig_queue_poll_ms > 0 else _FALLBACK_POLL_MS,
             kv_red=signals.kv_red,
             waiting_red=signals.waiting_red,
+            fail_open=self.fail_open,
         )
         policy = PolicyConfig(signals=signals, **_values(PolicyConfig, env))
         predictive = None
@@ -616,6 +637,7 @@ class Settings:
             learning=env.dynamic_pig_enabled,
             failsafe=env.dynamic_failsafe_state,
             predictive=predictive,
+            health=HealthConfig(**_values(HealthConfig, env)),
         )
 
     def redacted(self) -> dict[str, str]:
@@ -1084,6 +1106,7 @@ def _problems(env: Environment) -> list[Problem]:
     c.at_least(f.pig_upstream_head_timeout_seconds, 0)
     c.at_least(f.pig_upstream_idle_timeout_seconds, 0)
     _path_problems(c, f.pig_forward_paths, required=False)
+    c.rule(f.pig_failure_mode, OneOf(FAILURE_MODES))
     _feature_problems(c)
     c.above(f.dynamic_poll_interval_ms, 0)
     _core_problems(c)

@@ -12,7 +12,11 @@ Guarantees:
   only when they carry something, and ``backend_detail`` only with more than one backend;
 - durations in the start-up line use Go's notation (``500ms``, ``5s``, ``1m30s``);
 - fields the latest poll did not produce (start-up, a poll round where every backend failed)
-  print as 0 or as an empty state, and empty reasons print as ``unknown``, as PIG does.
+  print as 0 or as an empty state, and empty reasons print as ``unknown``, as PIG does;
+- this guard's own additions appear only where PIG's line has nothing to say:
+  ``failure_mode=open`` at the end under ``PIG_FAILURE_MODE=open`` (``open:failing`` while it
+  forwards for want of metrics), and in ``backend_detail`` a backend's health when it is not
+  available (``/ejected``, ``/probe``, ``/probing``, ``/full``) at the ``now`` given.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import attrs
 from guard_adapters.config import Settings
 from guard_core.decision import PublishedDecision
 from guard_core.evaluation import Snapshot
+from guard_core.gate import failing_open
 from guard_core.guard import GuardState
+from guard_core.health import Availability, availability
 from guard_core.signals import PollSignals
 from guard_core.tier import basic_limit, premium_reserved
 from guard_core.ttft_learner import TtftSource
@@ -302,7 +308,9 @@ def _pig_part(
     return "pig={" + " ".join(fields) + "}"
 
 
-def _backend_detail(state: GuardState, backend_names: Sequence[str], counts: RuntimeCounts) -> str:
+def _backend_detail(
+    state: GuardState, backend_names: Sequence[str], counts: RuntimeCounts, now: float | None
+) -> str:
     parts = []
     for name in backend_names:
         figures = state.published.backend(name)
@@ -316,6 +324,10 @@ def _backend_detail(state: GuardState, backend_names: Sequence[str], counts: Run
             part += f"/ttft{detail.ttft_p95:.2f}/ttft99{detail.ttft_p99:.2f}"
         if failed:
             part += "/err"
+        if now is not None:
+            health = availability(state.health.of(name), now=now)
+            if health is not Availability.AVAILABLE:
+                part += f"/{health}"
         parts.append(part)
     return "backend_detail={" + ";".join(parts) + "}"
 
@@ -327,12 +339,14 @@ def status_line(
     backend_names: Sequence[str],
     backend_unavailable_total: int,
     counts: RuntimeCounts | None = None,
+    now: float | None = None,
 ) -> str:
     """One ``pig_status`` line for ``state``.
 
     ``backend_names`` are the configured backends in order; ``backend_unavailable_total`` is
     ``pig_backend_unavailable_total``; ``counts`` carries the runtime's own figures (tier
-    reject deltas, per-backend in-flight and TTFT), all zero when omitted.
+    reject deltas, per-backend in-flight and TTFT), all zero when omitted; ``now`` (the time
+    the guard's events carry) shows each backend's health, left out when omitted.
     """
     counts = counts if counts is not None else RuntimeCounts()
     snapshot = current_snapshot(state)
@@ -343,5 +357,7 @@ def status_line(
         + _pig_part(state, snapshot, counts=counts, backend_unavailable=backend_unavailable_total)
     )
     if len(backend_names) > 1:
-        line += " " + _backend_detail(state, backend_names, counts)
+        line += " " + _backend_detail(state, backend_names, counts, now)
+    if state.gate.config.fail_open:
+        line += " failure_mode=open" + (":failing" if failing_open(state.gate) else "")
     return line

@@ -13,7 +13,12 @@ Guarantees:
 - premium may use the whole cap; basic never takes a slot reserved for premium and is refused
   with ``tier_priority`` while any premium request waits;
 - the short wait is a pure function of the latest decision and the refusal code (spec 4.3) and
-  never exceeds ``min(PIG_QUEUE_WAIT_SECONDS, 0.5 s)``.
+  never exceeds ``min(PIG_QUEUE_WAIT_SECONDS, 0.5 s)``;
+- the failure mode (``PIG_FAILURE_MODE``) decides only what a decision that says no backend is
+  usable (no metrics yet, every metrics source failing) does: ``close`` (the default, PIG's)
+  refuses every attempt with ``backend_unavailable``; ``open`` admits within ``GLOBAL_LIMIT``
+  and the tier rules as static mode does (:func:`failing_open` says when); any other decision
+  is enforced the same in both modes.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ __all__ = (
     "WaitRetried",
     "apply",
     "current_limit",
+    "failing_open",
     "next_check_at",
     "refuse",
     "short_wait_s",
@@ -85,6 +91,8 @@ class GateConfig:
     kv_red: float = setting(default_of(SignalThresholds, "kv_red"), rules=(AtLeast(0),))
     #: ``DYNAMIC_WAITING_RED``; 0 turns the waiting rule of the short wait off.
     waiting_red: int = setting(default_of(SignalThresholds, "waiting_red"), rules=(AtLeast(0),))
+    #: ``PIG_FAILURE_MODE=open``: with no usable metrics, admit within ``GLOBAL_LIMIT``.
+    fail_open: bool = False
 
     def __attrs_post_init__(self) -> None:
         require_valid(self)
@@ -200,9 +208,21 @@ def current_limit(state: GateState) -> tuple[int, RejectCode | None]:
     decision = state.decision
     if decision.cap <= 0:
         if decision.backend_unavailable:
+            if config.fail_open:
+                return config.global_limit, None
             return decision.cap, RejectCode.BACKEND_UNAVAILABLE
         return decision.cap, RejectCode.GLOBAL_DYNAMIC_LIMIT
     return decision.cap, None
+
+
+def failing_open(state: GateState) -> bool:
+    """``PIG_FAILURE_MODE=open`` is in force now: the decision says no backend is usable, and
+    the gate admits within ``GLOBAL_LIMIT`` instead of closing."""
+    config = state.config
+    decision = state.decision
+    return (
+        config.fail_open and config.dynamic and decision.cap <= 0 and decision.backend_unavailable
+    )
 
 
 def _refusal(state: GateState, tier: Tier) -> RejectCode | None:

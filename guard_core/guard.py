@@ -9,7 +9,9 @@ Guarantees:
 - a poll's decision is published to the gate in the same step that evaluates it, together with
   the one :class:`~guard_core.published.Published` value every reader of a poll reads;
 - requests in flight per backend, the adaptive output samples and the tier refusals are state
-  here too (:mod:`guard_core.traffic`), so a runtime keeps no copy of them;
+  here too (:mod:`guard_core.traffic`), so a runtime keeps no copy of them; so is each
+  backend's health (:mod:`guard_core.health`), changed by the health events and by each poll
+  (a good poll ends a backend's "full" mark);
 - refusals by the dynamic cap or the tier rule are counted for the learner when they end in a
   429 (not while the request still waits, and not when its client left);
 - with ``DYNAMIC_POLICY=predictive`` (``config.predictive`` set) PIG's pipeline still runs on
@@ -44,6 +46,18 @@ from guard_core.evaluation import (
 )
 from guard_core.events import RequestEvent
 from guard_core.gate import GateConfig, GateState
+from guard_core.health import (
+    BackendFailed,
+    BackendFull,
+    BackendSucceeded,
+    HealthConfig,
+    HealthEvent,
+    HealthState,
+    ProbeAbandoned,
+    ProbeSent,
+    apply_health,
+    polled,
+)
 from guard_core.lanes import AdaptiveOutputConfig
 from guard_core.policy import PolicyConfig
 from guard_core.predictive import Prediction, PredictiveConfig, PredictiveState
@@ -66,6 +80,7 @@ __all__ = (
     "GuardStep",
     "MetricsPolled",
     "apply",
+    "apply_health_event",
     "apply_traffic_event",
     "fold",
 )
@@ -85,6 +100,8 @@ class GuardConfig:
     predictive: PredictiveConfig | None = None
     #: ``ADAPTIVE_OUTPUT_CLASSIFICATION``: the adaptive output lanes' settings; ``None``: off.
     adaptive_output: AdaptiveOutputConfig | None = None
+    #: Passive outlier ejection and the "full" hold (:mod:`guard_core.health`).
+    health: HealthConfig = attrs.field(factory=HealthConfig)
 
 
 @attrs.frozen
@@ -98,10 +115,13 @@ class MetricsPolled:
 #: Everything the guard applies: request events, polls, and a decision published directly (a
 #: runtime that pins the cap without polling, as tests do).
 _TRAFFIC_EVENTS = (BackendForwarded, BackendFinished, OutputIntentObserved, RefusedAfterAdmission)
+_HEALTH_EVENTS = (BackendFailed, BackendSucceeded, BackendFull, ProbeSent, ProbeAbandoned)
 
 #: Everything the guard applies: request events, polls, traffic counts, and a decision published
 #: directly (a runtime that pins the cap without polling, as tests do).
-GuardEvent = RequestEvent | MetricsPolled | TrafficEvent | gate_rules.DecisionPublished
+GuardEvent = (
+    RequestEvent | MetricsPolled | TrafficEvent | HealthEvent | gate_rules.DecisionPublished
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -116,6 +136,8 @@ class GuardState:
     #: What the latest poll round published (the gate's decision and everything behind it).
     published: Published
     traffic: TrafficState = attrs.field(factory=TrafficState)
+    #: Each backend's health: failures in a row, ejection, probe, full mark.
+    health: HealthState = attrs.field(factory=HealthState)
     #: Every request waiting for a slot or holding one, by id (:mod:`guard_core.requests`).
     requests: Mapping[int, Tracked] = attrs.field(factory=dict)
 
@@ -149,6 +171,9 @@ class GuardStep:
 
 
 def _poll(state: GuardState, event: MetricsPolled) -> GuardStep:
+    if state.health.backends:
+        good = (poll.name for poll in event.polls if poll.sample is not None)
+        state = attrs.evolve(state, health=polled(state.health, good))
     if not state.config.learning:
         return GuardStep(state)
     gate = state.gate
@@ -216,12 +241,20 @@ def apply_traffic_event(state: GuardState, event: TrafficEvent) -> GuardState:
     return replace(state, traffic=traffic)  # runs twice per forwarded request
 
 
+def apply_health_event(state: GuardState, event: HealthEvent) -> GuardState:
+    """:func:`apply` for a health event, which has no outcome: the new state only."""
+    health = apply_health(state.health, event, state.config.health)
+    return state if health is state.health else replace(state, health=health)
+
+
 def apply(state: GuardState, event: GuardEvent) -> GuardStep:
     """Apply one event; attempts return their outcome, polls the decision they published."""
     if isinstance(event, MetricsPolled):
         return _poll(state, event)
     if isinstance(event, _TRAFFIC_EVENTS):
         return GuardStep(apply_traffic_event(state, event))
+    if isinstance(event, _HEALTH_EVENTS):
+        return GuardStep(apply_health_event(state, event))
     if isinstance(event, gate_rules.DecisionPublished):
         return GuardStep(attrs.evolve(state, gate=gate_rules.apply(state.gate, event).state))
     state, outcome = request_rules.apply(state, event)

@@ -125,7 +125,11 @@ def _attempt(
     """Judge one attempt and file the request by its outcome: holding, waiting or gone."""
     prediction: Prediction | None = None
     step: gate_rules.GateStep
-    if state.predictive is not None and state.gate.config.dynamic:
+    if (
+        state.predictive is not None
+        and state.gate.config.dynamic
+        and not gate_rules.failing_open(state.gate)
+    ):
         # Learning without enforcing (DYNAMIC_PIG_ENFORCE=false) predicts but never refuses.
         step, prediction = _predictive_attempt(state, event)
     else:

@@ -1,7 +1,8 @@
 """The guard engine: the one owner of the guard's state in the trio runtime.
 
 Reads: admission requests, releases, first tokens, requests sent to and ended at each backend,
-output-token intents and poll results from the proxy and the poller;
+each backend's health events (failures, successes, full answers, probes), output-token intents
+and poll results from the proxy and the poller;
 time from ``trio.current_time()`` only.
 Guarantees:
 - every state change goes through :func:`guard_core.apply_guard_event` (or, for the traffic
@@ -56,7 +57,15 @@ from guard_core import (
     apply_guard_event,
     next_check_at,
 )
-from guard_core.guard import apply_traffic_event
+from guard_core.guard import apply_health_event, apply_traffic_event
+from guard_core.health import (
+    BackendFailed,
+    BackendFull,
+    BackendSucceeded,
+    Failure,
+    ProbeAbandoned,
+    ProbeSent,
+)
 from guard_core.traffic import (
     BackendFinished,
     BackendForwarded,
@@ -296,3 +305,21 @@ class GuardEngine:
     def refused_after_admission(self, tier: Tier) -> None:
         """An admitted request got a 429 before it was forwarded (the priority rewrite)."""
         self.state = apply_traffic_event(self.state, RefusedAfterAdmission(self._at(), tier))
+
+    # -- health: what each backend did with the requests sent to it -----------------------------
+
+    def backend_failed(self, backend: str, failure: Failure) -> None:
+        self.state = apply_health_event(self.state, BackendFailed(self._at(), backend, failure))
+
+    def backend_succeeded(self, backend: str) -> None:
+        self.state = apply_health_event(self.state, BackendSucceeded(self._at(), backend))
+
+    def backend_full(self, backend: str) -> None:
+        """``backend``'s engine refused a request unstarted (its queue is full)."""
+        self.state = apply_health_event(self.state, BackendFull(self._at(), backend))
+
+    def probe_sent(self, backend: str) -> None:
+        self.state = apply_health_event(self.state, ProbeSent(self._at(), backend))
+
+    def probe_abandoned(self, backend: str) -> None:
+        self.state = apply_health_event(self.state, ProbeAbandoned(self._at(), backend))

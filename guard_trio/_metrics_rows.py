@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
-from guard_core.gate import MAX_SHORT_WAIT_S
+from guard_core.gate import MAX_SHORT_WAIT_S, failing_open
+from guard_core.health import BackendHealth, availability
 from guard_core.lanes import Lane, Thresholds
 from guard_core.tier import basic_limit, premium_reserved
 from guard_trio._metrics_instruments import (
@@ -27,7 +28,14 @@ from guard_trio._metrics_instruments import (
 from guard_trio._metrics_page import MetricRow, counter, gauge, histogram, info, summary
 from guard_trio._metrics_scrape import Scrape, cumulative_of
 
-__all__ = ("BACKEND_ROWS", "CLASSIFIER_ROWS", "LANE_ROWS", "PRIORITY_ROWS", "RUNTIME_ROWS")
+__all__ = (
+    "BACKEND_ROWS",
+    "CLASSIFIER_ROWS",
+    "HEALTH_ROWS",
+    "LANE_ROWS",
+    "PRIORITY_ROWS",
+    "RUNTIME_ROWS",
+)
 
 Row = MetricRow[Scrape]
 Getter = Callable[[Scrape], Any]
@@ -212,6 +220,33 @@ BACKEND_ROWS: Final[tuple[Row, ...]] = (
           _per_backend(lambda s, b: s.latency(b, "p99")), "name"),
     gauge("pig_backend_observed_ttft_valid", "Whether its TTFT window is valid.",
           _per_backend(lambda s, b: s.figures(b).ttft is not None), "name"),
+)  # fmt: skip
+
+
+def _health_of(s: Scrape, b: BackendMetrics) -> BackendHealth:
+    return s.state.health.of(b.name) or BackendHealth(name=b.name)
+
+
+_HEALTH: Final = "inference_guard_backend_"
+
+#: Shown with several backends, or with ``PIG_FAILURE_MODE=open``: one series per configured
+#: backend (the health state a fixed set of five), read from the core's health state.
+HEALTH_ROWS: Final[tuple[Row, ...]] = (
+    gauge("inference_guard_failure_mode_open",
+          "1 while PIG_FAILURE_MODE=open forwards within GLOBAL_LIMIT for want of metrics.",
+          lambda s: failing_open(s.gate)),
+    info(_HEALTH + "health_info",
+         "Its health now: available, probe (half-open), probing, full or ejected.", "name,state",
+         lambda s: tuple({"name": b.name, "state": str(availability(_health_of(s, b), now=s.now))}
+                         for b in s.backends)),
+    gauge(_HEALTH + "consecutive_failures", "Failures in a row since its latest success.",
+          _per_backend(lambda s, b: _health_of(s, b).failures), "name"),
+    counter(_HEALTH + "ejections_total", "Times it was ejected after failures.",
+            _per_backend(lambda s, b: _health_of(s, b).ejections), "name"),
+    counter(_HEALTH + "probes_total", "Probe requests sent to it while half-open.",
+            _per_backend(lambda s, b: _health_of(s, b).probes), "name"),
+    counter(_HEALTH + "full_total", "Requests its engine refused as full (503 or 429).",
+            _per_backend(lambda s, b: _health_of(s, b).full_marks), "name"),
 )  # fmt: skip
 
 

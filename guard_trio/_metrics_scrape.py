@@ -129,6 +129,8 @@ class Scrape:
     limit: int
     routing: bool
     uptime: int
+    #: The guard's clock now (seconds since start, the time its events carry).
+    now: float
     updated: int
     backends: Sequence[BackendMetrics]
 
@@ -153,7 +155,7 @@ class Scrape:
         #: The limit the gate enforces now (the tier gauges use it, spec 10.3).
         self.limit = current_limit(self.gate)[0]
         self.routing = settings.backend_routing
-        now = metrics.clock()
+        now = self.now = metrics.clock()
         self.uptime = round(now - metrics.started)
         # Decisions are stamped on the guard's clock; turned into Unix time here.
         self.updated = int(metrics.wall_clock() - (now - self.decision.at))

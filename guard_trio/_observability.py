@@ -61,6 +61,7 @@ from guard_trio._metrics_page import Section, render
 from guard_trio._metrics_rows import (
     BACKEND_ROWS,
     CLASSIFIER_ROWS,
+    HEALTH_ROWS,
     LANE_ROWS,
     PRIORITY_ROWS,
     RUNTIME_ROWS,
@@ -82,10 +83,12 @@ __all__ = (
 )
 
 #: The whole page, in PIG's order: runtime, backends, dynamic, predictive, classifier,
-#: priority, lanes.
+#: priority, lanes; this guard's backend health and failure mode after the backends (only with
+#: several backends or ``PIG_FAILURE_MODE=open``).
 SECTIONS: Final[tuple[Section[Scrape], ...]] = (
     Section("runtime", RUNTIME_ROWS),
     Section("backends", BACKEND_ROWS),
+    Section("health", HEALTH_ROWS, lambda s: len(s.settings.backends) > 1 or s.settings.fail_open),
     Section("dynamic", DYNAMIC_ROWS, lambda s: s.settings.dynamic_enabled),
     Section("predictive", PREDICTIVE_ROWS, lambda s: s.state.predictive is not None),
     Section("classifier", CLASSIFIER_ROWS),

@@ -7,6 +7,9 @@ Guarantees:
   :func:`guard_adapters.exchange.upstream_headers` builds; a kept-alive backend connection
   that fails before the request was fully written is tried once more on a fresh one when the
   request can be sent again (its body is held, or it is idempotent);
+- with several backends, each one's health is told to the core (:mod:`guard_trio._health`);
+  a request none of whose bytes reached its backend, or refused unstarted by its engine (never
+  passed to the client) with its body held, goes on to another backend, each at most once;
 - exactly one response per request, or none when the client already left: a backend that fails
   before the response head gets the client PIG's 429, one silent past
   ``PIG_UPSTREAM_HEAD_TIMEOUT_SECONDS`` a 504, one that stalls mid-body past
@@ -21,6 +24,7 @@ Guarantees:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import h11
@@ -39,13 +43,14 @@ from guard_adapters.exchange import (
     without_length,
 )
 from guard_adapters.openai_body import StreamingRewriter
-from guard_adapters.outcome import Bridge, Disconnect
+from guard_adapters.outcome import Bridge, Disconnect, ExchangeNotes
 from guard_adapters.sse import FirstUsefulEventScanner, is_streaming_request
 from guard_core import Lane, Tier
-from guard_core.backend_choice import backend_views, choose_backend
+from guard_core.backend_choice import backend_views, choose_backend, is_probe
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
 from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
 from guard_trio._engine import Slot
+from guard_trio._health import BackendHealthReports, EngineRefused
 from guard_trio._upstream import (
     IdleGuard,
     UpstreamConnection,
@@ -94,27 +99,38 @@ class Relay:
         self.sse_early_bridge: bool = env.sse_early_bridge_enabled
         self.upstream_head_timeout_s = budget(env.pig_upstream_head_timeout_seconds)
         self.upstream_idle_timeout_s = budget(env.pig_upstream_idle_timeout_seconds)
+        self.health = BackendHealthReports(self.engine, backends=len(self.targets))
 
     def low_load(self) -> bool:
         """PIG's gate for SSE keep-alive and the early bridge: quiet backend, empty queue."""
         return low_load(self.engine.state.gate, dynamic=self.settings.dynamic_enabled)
 
-    def pick_backend(self) -> int:
+    def pick_backend(self, tried: frozenset[int] = frozenset()) -> tuple[int, bool] | None:
+        """The backend to send to, and whether the request is its half-open probe (told to the
+        core); ``tried``: backends it already went to (``None``: no other one takes work)."""
         if len(self.targets) == 1:
-            return 0
+            return None if tried else (0, False)
         state = self.engine.state
         policy = state.config.policy
+        now = self.engine.seconds_since_start()
+        views = backend_views(self.target_names, state.published, state.traffic, state.health)
         chosen = choose_backend(
-            backend_views(self.target_names, state.published, state.traffic),
-            now=self.engine.seconds_since_start(),
+            views,
+            now=now,
             poll_interval_s=self.settings.env.dynamic_poll_interval_ms / 1000,
             dynamic=self.settings.dynamic_enabled,
             capacity_ratio=policy.capacity_ratio,
             target_user_tps=policy.user_tps_yellow,
+            tried=tried,
         )
-        return chosen or 0
+        if chosen is None:
+            return None
+        probe = is_probe(views[chosen], now=now)
+        if probe:
+            self.engine.probe_sent(self.target_names[chosen])
+        return chosen, probe
 
-    async def forward(
+    async def forward(  # noqa: PLR0915 - one request's attempts, read top to bottom
         self,
         down: Downstream,
         request: h11.Request,
@@ -129,30 +145,24 @@ class Relay:
     ) -> int:
         """Forward one request and relay the response; returns the status the client got."""
         proxy_started = trio.current_time()
-        index = self.pick_backend()
-        target = self.targets[index]
+        picked = self.pick_backend()
+        assert picked is not None
+        index, probe = picked
         body_length = sum(len(c) for c in body) if body is not None else content_length(headers)
         if rewriter is not None:
             body_length = None  # the rewritten body goes upstream chunked
-        upstream_request = h11.Request(
-            method=request.method,
-            target=target.base_path.encode() + request.target,
-            headers=upstream_headers(
-                headers,
-                authority=target.authority.encode(),
-                backend=target.name.encode(),
-                peer=down.peer.encode(),
-                tier=tier,
-                lane=lane,
-                body_length=body_length,
-                output_tokens=output_tokens,
-                trace_id=down.notes.trace_id.encode(),
-            ),
+        upstream = partial(
+            upstream_headers,
+            headers,
+            peer=down.peer.encode(),
+            tier=tier,
+            lane=lane,
+            body_length=body_length,
+            output_tokens=output_tokens,
+            trace_id=down.notes.trace_id.encode(),
         )
         notes = down.notes
-        notes.backend = target.name
-        self.engine.forwarded(target.name)
-        self.backend_metrics[index].accepted.inc()  # a moment, not an outcome: counted now
+        target = self.send_to(index, notes)
         status = 0
         bridge = (
             self.sse_early_bridge
@@ -168,13 +178,25 @@ class Relay:
         # idempotent one is: a POST the backend may have started must not generate twice.
         replayable = body is not None or body_length == 0
         idempotent = request.method in _IDEMPOTENT
+        tried = {index}
+        up: UpstreamConnection | None = None
         try:
             with trio.move_on_after(self.proxy_timeout_s) as deadline:
-                for attempt in range(2):
+                fresh = False
+                while True:
                     reused = written = False
+                    up = None
                     try:
-                        async with self.pool.connection(target, fresh=attempt > 0) as up:
+                        async with self.pool.connection(target, fresh=fresh) as up:
                             reused = up.reused
+                            upstream_request = h11.Request(
+                                method=request.method,
+                                target=target.base_path.encode() + request.target,
+                                headers=upstream(
+                                    authority=target.authority.encode(),
+                                    backend=target.name.encode(),
+                                ),
+                            )
                             if body is not None and rewriter is None:
                                 # A held body goes out with the head, in one write.
                                 data = (h11.Data(data=chunk) for chunk in body if chunk)
@@ -187,16 +209,28 @@ class Relay:
                                 down, up, slot, proxy_started, method=request.method, bridge=bridge
                             )
                         break
-                    except UpstreamError:
+                    except (UpstreamError, EngineRefused) as exc:
+                        refused = isinstance(exc, EngineRefused)
                         if (
-                            attempt == 0
+                            not refused
+                            and not fresh
                             and reused
                             and replayable
                             and (idempotent or not written)
                             and down.can_respond
                         ):
+                            fresh = True  # a stale kept-alive connection: once more, fresh
                             continue
-                        return await self.upstream_failed(down)
+                        again = None
+                        if self.health.go_on(exc, target.name, up, down.can_respond, replayable):
+                            again = self.pick_backend(frozenset(tried))
+                        if again is None:
+                            probe = False  # its verdict is told
+                            return await self.upstream_failed(down, refused=refused)
+                        self.engine.finished(target.name)
+                        (index, probe), fresh = again, False
+                        tried.add(index)
+                        target = self.send_to(index, notes)
             if deadline.cancelled_caught:
                 if down.can_respond:
                     await down.skip_body()
@@ -207,9 +241,19 @@ class Relay:
             notes.disconnect = Disconnect.RESPONSE if status else Disconnect.UPSTREAM
             raise
         finally:
+            if probe:
+                self.health.probe_ended(target.name, up)
             self.engine.finished(target.name)
             notes.proxy_s = trio.current_time() - proxy_started
         return status
+
+    def send_to(self, index: int, notes: ExchangeNotes) -> UpstreamTarget:
+        """The request goes to backend ``index`` now: noted, counted, told to the core."""
+        target = self.targets[index]
+        notes.backend = target.name
+        self.engine.forwarded(target.name)
+        self.backend_metrics[index].accepted.inc()  # a moment, not an outcome: counted now
+        return target
 
     async def send_body(
         self,
@@ -248,11 +292,13 @@ class Relay:
             down.notes.note_priority("rewritten")
         await up.send(h11.EndOfMessage())
 
-    async def upstream_failed(self, down: Downstream) -> int:
-        """The backend failed: a 429 if the client has seen nothing yet, else cut the response."""
+    async def upstream_failed(self, down: Downstream, *, refused: bool = False) -> int:
+        """The backend failed: a 429 if the client has seen nothing yet, else cut the response.
+        ``refused``: it did not fail, its engine refused the request (the guard's own 429)."""
         notes = down.notes
-        notes.upstream_errors += 1
-        notes.backend_failed = True
+        if not refused:
+            notes.upstream_errors += 1
+            notes.backend_failed = True
         if down.can_respond:
             await down.skip_body()
             await self.app.too_many_requests(down)
@@ -291,6 +337,7 @@ class Relay:
             with trio.move_on_at(head_deadline):
                 event = await up.read_head()
             if event is None:
+                self.health.stalled(up.target.name)
                 return await self.head_timed_out(down)
         received = list(event.headers)
         status = event.status_code
@@ -306,6 +353,10 @@ class Relay:
             ),
         )
         headers = plan.headers
+        if self.health.refuses(up.target.name, status, can_respond=down.can_respond):
+            raise EngineRefused(up.target.name)  # unstarted: another backend, or our own 429
+        if not plan.reclassify:
+            self.health.head(up.target.name, status)
         if plan.reclassify:
             return await self.relay_error(
                 down, up, event, headers=headers, content_type=plan.content_type, started=started
@@ -407,7 +458,9 @@ class Relay:
                 event = await up.read_head()
             if event is None:
                 notes.upstream_errors += 1
+                self.health.stalled(up.target.name)
                 raise ResponseAborted("no response head from the backend in time")
+            self.health.head(up.target.name, event.status_code)
             content_type = next((v for k, v in event.headers if k == b"content-type"), b"")
             if event.status_code != 200 or b"text/event-stream" not in content_type.lower():
                 notes.bridge = Bridge.INVALID_UPSTREAM
@@ -451,12 +504,14 @@ class Relay:
         if complete:
             body = b"".join(chunks)
             rewritten = reclassify(status, content_type, body)
+            self.health.head(up.target.name, rewritten.status if rewritten is not None else status)
             if rewritten is not None:
                 await down.respond(rewritten.status, without_length(headers), rewritten.body)
                 return rewritten.status
             await down.respond(status, without_length(headers), body)
             return status
         # Longer than 64 KiB: pass it through untouched, the part already read first.
+        self.health.head(up.target.name, status)
         await down.send(
             down.head(status, headers, event.reason),
             h11.Data(data=b"".join(chunks)),

@@ -147,6 +147,7 @@ class GuardServer:
             backend_names=names,
             backend_unavailable_total=int(self.metrics.backend_unavailable.value),
             counts=runtime_counts(state, names),
+            now=self.engine.seconds_since_start(),
         )
 
     async def log_status(self, interval_s: float) -> None:

@@ -53,7 +53,12 @@ _YIELD_EVERY = 16
 
 
 class UpstreamError(GuardError):
-    """The backend could not be reached or broke the exchange."""
+    """The backend could not be reached or broke the exchange. ``unsent``: not one byte of the
+    request left for it (the connect failed, or the first write was refused)."""
+
+    def __init__(self, message: str, *, unsent: bool = False) -> None:
+        super().__init__(message)
+        self.unsent = unsent
 
 
 @attrs.frozen
@@ -93,6 +98,10 @@ class UpstreamConnection:
         self.unparsed = bytearray()
         #: Set when the body was read around h11 and something about it forbids reuse.
         self.poisoned = False
+        #: Some byte of a request was written to the socket.
+        self.sent_any = False
+        #: The final response head was read.
+        self.head_seen = False
         self._sock = stdlib_socket(stream)
         self._eager_reads = 0
         self._interim = 0
@@ -101,9 +110,22 @@ class UpstreamConnection:
         data = b"".join(self.h11.send(event) or b"" for event in events)
         if data:
             try:
-                await send_fast(self.stream, self._sock, data)
+                if not self.sent_any and self._sock is not None:
+                    # The first write goes to the socket directly, so that a refusal (reset,
+                    # broken pipe) is known to have taken no byte of the request.
+                    try:
+                        sent = self._sock.send(data)
+                    except BlockingIOError:
+                        sent = 0
+                    self.sent_any = sent > 0
+                    data = data[sent:]
+                if data:
+                    await send_fast(self.stream, self._sock, data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise UpstreamError(f"{self.target.name}: send failed ({exc})") from None
+                raise UpstreamError(
+                    f"{self.target.name}: send failed ({exc})", unsent=not self.sent_any
+                ) from None
+            self.sent_any = True
 
     async def receive_raw(self) -> bytes | bytearray:
         """Bytes from the backend, h11 bypassed (``unparsed`` first); b"" at end of stream.
@@ -164,6 +186,7 @@ class UpstreamConnection:
                     raise UpstreamError(f"{self.target.name}: too many interim responses")
                 continue
             if isinstance(event, h11.Response):
+                self.head_seen = True
                 return event
             raise UpstreamError(f"{self.target.name}: no response head")
 
@@ -281,9 +304,9 @@ class UpstreamPool:
                     stream = trio.SSLStream(stream, context, server_hostname=target.host)
                     await stream.do_handshake()
         except trio.TooSlowError:
-            raise UpstreamError(f"{target.name}: connect timed out") from None
+            raise UpstreamError(f"{target.name}: connect timed out", unsent=True) from None
         except (OSError, trio.BrokenResourceError) as exc:
-            raise UpstreamError(f"{target.name}: connect failed ({exc})") from None
+            raise UpstreamError(f"{target.name}: connect failed ({exc})", unsent=True) from None
         return UpstreamConnection(target, stream)
 
     def _take_idle(self, target: UpstreamTarget) -> UpstreamConnection | None:
@@ -338,6 +361,7 @@ class UpstreamPool:
             raise
         if connection.reusable:
             connection.h11.start_next_cycle()
+            connection.sent_any = connection.head_seen = False
             connection.idle_since = trio.current_time()
             idle = self._idle.setdefault(target.name, deque())
             if len(idle) < self.max_idle:

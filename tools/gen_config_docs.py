@@ -72,6 +72,28 @@ settings are checked only when it is chosen (how it works: [predictive.md](predi
   also the fallback when there is no prediction. `PIG_RETRY_AFTER_SECONDS=0` sends no
   `Retry-After` in either mode.
 """,
+    "inference-guard's backend health and failure mode (docs/serve.md)": """
+`PIG_FAILURE_MODE` says what the guard does while no metrics source is usable (before the first
+poll, or when every metrics URL fails: the moments PIG closes intake with `backend_unavailable`):
+`close` (the default) keeps PIG's behaviour, every admitted request gets a 429 at once; `open`
+forwards within `GLOBAL_LIMIT` and the tier rules, as static mode does, and says so:
+`inference_guard_failure_mode_open` is 1 and the `pig_status` line ends with
+`failure_mode=open:failing` meanwhile. `/v1/upstream-status` still reports red then.
+
+With several backends (`BACKENDS`, `UPSTREAMS`) the guard ejects a backend after
+`PIG_BACKEND_EJECT_FAILURES` failures in a row (a failed connect, a reset or close before the
+response head, a 5xx the client did not cause, no head within
+`PIG_UPSTREAM_HEAD_TIMEOUT_SECONDS`; 0 never ejects) for `PIG_BACKEND_EJECT_SECONDS`, twice as
+long on each ejection that follows, at most `PIG_BACKEND_EJECT_MAX_SECONDS`. Then one request goes
+to it as a probe: its success brings the backend back, its failure ejects it again for longer.
+After `PIG_BACKEND_EJECT_MAX_SECONDS` of good answers the doubling starts again from the first
+length. An engine that refuses a request as full (vLLM's 503 under `--max-num-queued-reqs`,
+SGLang's queue-full 503, or a 429) gets no new request until its next good poll or for
+`PIG_BACKEND_FULL_HOLD_SECONDS`; the refused request goes to another backend when its body is
+held, else the client gets the guard's own 429, never the engine's answer. A pool whose every
+backend is ejected or full still gets requests (a full one first): the guard tries rather than
+refusing everything. With one backend none of this applies (PIG's contract).
+""",
 }
 
 

@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE, help="engine profile")
     add("--max-num-seqs", type=int, metavar="N", help="override the profile's max_num_seqs")
+    add(
+        "--max-num-queued-reqs",
+        dest="max_queued",
+        type=int,
+        metavar="N",
+        help="answer the engine's queue-full 503 while N requests wait (default: never)",
+    )
     add("--seed", type=int, default=0, help="seed for ids, filler text and output lengths")
     add("--model", default="Qwen/Qwen2-7B-Instruct", help="served model name")
     add("--max-output", type=int, default=4096, metavar="N", help="cap on output tokens")

@@ -106,6 +106,12 @@ pig_backend_observed_ttft_avg_seconds               G name
 pig_backend_observed_ttft_p95_seconds               G name
 pig_backend_observed_ttft_p99_seconds               G name
 pig_backend_observed_ttft_valid                     G name
+inference_guard_failure_mode_open                   G
+inference_guard_backend_health_info                 I name,state
+inference_guard_backend_consecutive_failures        G name
+inference_guard_backend_ejections_total             C name
+inference_guard_backend_probes_total                C name
+inference_guard_backend_full_total                  C name
 pig_dynamic_state_info                              I state,source
 pig_dynamic_last_update_seconds                     G
 pig_dynamic_error_info                              I? message

@@ -75,6 +75,9 @@ class SimBackendConfig:
     knob; 1 is the profile's calibrated speed). ``mean_output_tokens`` ends requests early with
     a seeded geometric length of that mean (finish reason ``stop``); without it each request
     generates exactly its ``max_tokens`` (finish reason ``length``), as benchmarks do.
+    ``max_queued`` refuses a generation request with the engine's queue-full 503 while that many
+    requests already wait in the engine (vLLM's ``--max-num-queued-reqs``, SGLang's
+    ``--max-queued-requests``).
     """
 
     host: str = "127.0.0.1"
@@ -83,6 +86,7 @@ class SimBackendConfig:
     metrics_names: MetricsNames = "current"
     profile: str = DEFAULT_PROFILE
     max_num_seqs: int | None = attrs.field(default=None, validator=_check_positive)
+    max_queued: int | None = attrs.field(default=None, validator=_check_positive)
     seed: int = 0
     model: str = "Qwen/Qwen2-7B-Instruct"
     max_output: int = attrs.field(default=4096, validator=_check_positive)

@@ -109,6 +109,9 @@ class EngineDriver:
         self.metrics_delay_s = config.metrics_delay_s
         self._metrics_fail = False
         self._metrics_fail_after_s = config.metrics_fail_after_s
+        #: ``/sim/control``: every generation request refused as full / its connection dropped.
+        self.queue_forced_full = False
+        self.dropping = False
 
     def start(self) -> None:
         """The engine's time 0 is now."""
@@ -229,8 +232,10 @@ class EngineDriver:
         """Apply a ``/sim/control`` command now; returns the fault state afterwards.
 
         Keys: ``slow_down`` (factor > 0), ``kill`` (true), ``metrics_delay_s`` (>= 0),
-        ``metrics_fail`` (bool), ``reset_faults`` (true: factor 1, metrics healthy, scheduled
-        faults dropped; a dead engine stays dead).
+        ``metrics_fail`` (bool), ``queue_full`` (bool: every generation request gets the
+        engine's queue-full 503), ``drop_requests`` (bool: every generation request is read and
+        its connection closed unanswered), ``reset_faults`` (true: factor 1, metrics healthy,
+        scheduled faults dropped, no forced full or drop; a dead engine stays dead).
 
         Raises:
             ValueError: an unknown key or a value out of range (nothing is applied).
@@ -240,6 +245,8 @@ class EngineDriver:
             "kill",
             "metrics_delay_s",
             "metrics_fail",
+            "queue_full",
+            "drop_requests",
             "reset_faults",
         }
         if unknown:
@@ -260,6 +267,7 @@ class EngineDriver:
             self.metrics_delay_s = 0.0
             self._metrics_fail = False
             self._metrics_fail_after_s = None
+            self.queue_forced_full = self.dropping = False
             self._apply("slow_down", 1.0, now)
         if factor is not None:
             self._apply("slow_down", float(factor), now)
@@ -267,6 +275,10 @@ class EngineDriver:
             self.metrics_delay_s = float(delay)
         if "metrics_fail" in command:
             self._metrics_fail = bool(command["metrics_fail"])
+        if "queue_full" in command:
+            self.queue_forced_full = bool(command["queue_full"])
+        if "drop_requests" in command:
+            self.dropping = bool(command["drop_requests"])
         if command.get("kill"):
             self._apply("kill", 0.0, now)
             self._sync()
@@ -278,11 +290,20 @@ class EngineDriver:
             "dead": self._engine.dead,
             "metrics_delay_s": self.metrics_delay_s,
             "metrics_fail": self.metrics_failing(),
+            "queue_full": self.queue_forced_full,
+            "drop_requests": self.dropping,
             "scheduled": [
                 {"at_s": at, "action": action, "value": value}
                 for at, action, value in self._scheduled
             ],
         }
+
+    def queue_full(self) -> bool:
+        """A new generation request is refused as full now (forced, or ``max_queued`` waiting)."""
+        limit = self.config.max_queued
+        if self.queue_forced_full:
+            return True
+        return limit is not None and self.engine_metrics().waiting >= limit
 
     def metrics_failing(self) -> bool:
         after = self._metrics_fail_after_s

@@ -97,6 +97,11 @@ ERROR_CASES: Final[Mapping[str, ErrorCase]] = MappingProxyType(
     }
 )
 
+#: SGLang's answer when its scheduler's waiting queue is at ``--max-queued-requests`` (the
+#: request is aborted unstarted with a 503). ``../shared/data/errors`` has no SGLang sample of
+#: it; the wording is SGLang's scheduler's, the body its flat error shape.
+SGLANG_QUEUE_FULL: Final = ErrorCase(503, "ServiceUnavailable", None, "The request queue is full.")
+
 SGLANG_INPUT_TOO_LONG: Final = (
     "The input ({prompt_tokens} tokens) is longer than the model's context length"
     " ({max_model_len} tokens)."

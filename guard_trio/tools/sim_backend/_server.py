@@ -10,7 +10,8 @@ Guarantees:
   404 and 405 bodies; ``/sim/control`` (GET the fault state, POST a command) answers loopback
   peers only.
 - A generation request is checked as the flavour checks it (lengths, ``sim_error`` cases, a
-  dead engine), then submitted to the engine; its response, whole or streamed, is written from
+  dead engine, a full queue under ``max_queued``: vLLM's 503 ``admission_queue_full``, SGLang's
+  queue-full 503), then submitted to the engine; its response, whole or streamed, is written from
   the tokens the driver hands over. A client that closes while its request waits or streams
   gets its sequence aborted in the engine at once (its KV is freed).
 - ``--replay-sse`` answers every streaming request with a recorded transcript, byte for byte,
@@ -39,6 +40,7 @@ from guard_trio.tools.sim_backend._driver import EngineDriver, Seq
 from guard_trio.tools.sim_backend._errors import (
     ERROR_CASES,
     SGLANG_INPUT_TOO_LONG,
+    SGLANG_QUEUE_FULL,
     SGLANG_TOTAL_TOO_LONG,
     ErrorCase,
     error_body,
@@ -80,6 +82,7 @@ class SimBackend:
                 ) from None
         self._registry = metrics_registry(driver, config)
         self._max_model_len = config.max_model_len  # the engine profile carries the same
+        self._sglang = config.flavour == "sglang"
 
     # -- what tests and the demo read --------------------------------------------------------------
 
@@ -140,6 +143,8 @@ class SimBackend:
             if method != b"POST":
                 await send(exchange, 405, NOT_ALLOWED)
                 return
+            if self._driver.dropping:
+                return  # read and left unanswered: the connection closes (a fault on purpose)
             await self._generation(exchange, generation, body)  # type: ignore[arg-type]
             return
         simple = {
@@ -277,6 +282,10 @@ class SimBackend:
             if case.kills_engine:
                 self._driver.kill()
             await self._error(exchange, case, fields)
+            return
+        if self._driver.queue_full():
+            full = ERROR_CASES["admission_queue_full"]
+            await self._error(exchange, SGLANG_QUEUE_FULL if self._sglang else full, fields)
             return
         try:
             seq = self._driver.submit(ask.prompt_tokens, out_tokens)

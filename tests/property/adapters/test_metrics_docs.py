@@ -56,7 +56,13 @@ def test_the_table_says_what_the_page_serves() -> None:
     env = {"DYNAMIC_METRICS_URL": "http://backend:8000/metrics", "DYNAMIC_POLICY": "predictive"}
     good = BackendSample(running=4.0, waiting=0.0, kv_usage=0.2, generation_tokens=100.0)
     seen: set[str] = set()
-    for page in (_page(env, good), _page(env, good, None), _page({"UPSTREAM": "http://b:8000"})):
+    pages = (
+        _page(env, good),
+        _page(env, good, None),
+        _page({"UPSTREAM": "http://b:8000"}),
+        _page({"UPSTREAMS": "http://a:8000,http://b:8000", "PIG_FAILURE_MODE": "open"}),
+    )
+    for page in pages:
         order = []
         for family in text_string_to_metric_families(page):
             name = f"{family.name}_total" if family.type == "counter" else family.name
