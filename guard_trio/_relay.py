@@ -14,9 +14,8 @@ Guarantees:
   before the response head gets the client PIG's 429, one silent past
   ``PIG_UPSTREAM_HEAD_TIMEOUT_SECONDS`` a 504, one that stalls mid-body past
   ``PIG_UPSTREAM_IDLE_TIMEOUT_SECONDS`` has both connections closed;
-- a chunked response to an HTTP/1.1 client is copied without h11 parsing its body
-  (:class:`~guard_adapters.chunked.ChunkedBodyReader` checks the framing), scanned for the first
-  useful SSE event only until it is found; every other body goes through h11;
+- the body is pumped by :mod:`guard_trio._copy` (chunked to an HTTP/1.1 client without h11,
+  every other framing through it), under the idle guard;
 - an upstream 500 the client caused is rewritten to 400/422 (spec 7) when enabled; the early
   bridge (spec 8.4) and SSE keep-alive run only under low load; in-flight counts per backend
   are core state, told on every path.
@@ -31,7 +30,6 @@ import h11
 import trio
 
 from guard_adapters._errors import BodyRewriteError
-from guard_adapters.chunked import ChunkedBodyReader, ChunkedFramingError, frame
 from guard_adapters.exchange import (
     GATEWAY_TIMEOUT_BODY,
     chunked_passthrough,
@@ -48,6 +46,7 @@ from guard_adapters.sse import FirstUsefulEventScanner, is_streaming_request
 from guard_core import Lane, Tier
 from guard_core.backend_choice import backend_views, choose_backend, is_probe
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
+from guard_trio._copy import KEEPALIVE_COMMENT, copy_body, copy_chunked, send_head
 from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
 from guard_trio._engine import Slot
 from guard_trio._health import BackendHealthReports, EngineRefused
@@ -62,12 +61,9 @@ from guard_trio._upstream import (
 if TYPE_CHECKING:
     from guard_trio._proxy import ProxyApp
 
-__all__ = ("BRIDGE_GRACE_S", "KEEPALIVE_AFTER_S", "KEEPALIVE_COMMENT", "Relay")
+__all__ = ("BRIDGE_GRACE_S", "Relay")
 
 _JSON = (b"content-type", b"application/json")
-#: ``SSE_KEEPALIVE_ENABLED``: the comment sent after this long without upstream data.
-KEEPALIVE_AFTER_S = 2.0
-KEEPALIVE_COMMENT = b": keep-alive\n\n"
 #: ``SSE_EARLY_BRIDGE_ENABLED``: how long a streamed request waits for the backend's head before
 #: the client gets its 200 stream anyway.
 BRIDGE_GRACE_S = 0.5
@@ -392,14 +388,28 @@ class Relay:
             method=method,
             client_version=down.h11.their_http_version or b"",
         )
+        comments = self.metrics.sse_keepalive_comments
         with IdleGuard(self.upstream_idle_timeout_s) as guard:
             if fast:
-                await self.copy_chunked(
-                    down, up, head, scanner=scanner, slot=slot, keepalive=keepalive, guard=guard
+                await copy_chunked(
+                    down,
+                    up,
+                    head,
+                    scanner=scanner,
+                    slot=slot,
+                    keepalive=keepalive,
+                    guard=guard,
+                    comments=comments,
                 )
-            elif head is None or await self.send_head(down, up, head, scanner=scanner, slot=slot):
-                await self.copy_body(
-                    down, up, scanner=scanner, slot=slot, keepalive=keepalive, guard=guard
+            elif head is None or await send_head(down, up, head, scanner=scanner, slot=slot):
+                await copy_body(
+                    down,
+                    up,
+                    scanner=scanner,
+                    slot=slot,
+                    keepalive=keepalive,
+                    guard=guard,
+                    comments=comments,
                 )
 
     async def head_timed_out(self, down: Downstream) -> int:
@@ -411,28 +421,6 @@ class Relay:
         await down.respond(504, [_JSON, (b"connection", b"close")], GATEWAY_TIMEOUT_BODY)
         down.gone = True  # the exchange is abandoned mid-way: close the connection
         return 504
-
-    async def send_head(
-        self,
-        down: Downstream,
-        up: UpstreamConnection,
-        head: h11.Response,
-        *,
-        scanner: FirstUsefulEventScanner | None,
-        slot: Slot | None,
-    ) -> bool:
-        """Send the head together with any body bytes already read; False if the body ended."""
-        first = up.buffered_event()
-        if isinstance(first, h11.Data):
-            await down.send(head, h11.Data(data=first.data))
-            if scanner is not None and scanner.feed(bytes(first.data)) and slot is not None:
-                slot.first_token()
-            return True
-        if isinstance(first, h11.EndOfMessage):
-            await down.send(head, h11.EndOfMessage())
-            return False
-        await down.send(head)
-        return True
 
     async def relay_bridged(
         self,
@@ -517,115 +505,12 @@ class Relay:
             h11.Data(data=b"".join(chunks)),
         )
         with IdleGuard(self.upstream_idle_timeout_s) as guard:
-            await self.copy_body(down, up, scanner=None, slot=None, guard=guard)
+            await copy_body(
+                down,
+                up,
+                scanner=None,
+                slot=None,
+                guard=guard,
+                comments=self.metrics.sse_keepalive_comments,
+            )
         return status
-
-    async def copy_chunked(
-        self,
-        down: Downstream,
-        up: UpstreamConnection,
-        head: h11.Response | None,
-        *,
-        scanner: FirstUsefulEventScanner | None,
-        slot: Slot | None,
-        guard: IdleGuard,
-        keepalive: bool = False,
-    ) -> None:
-        """The fast path for a chunked upstream body to an HTTP/1.1 client (whose response h11
-        frames as chunked too): h11 parses neither side's body. Each upstream read is checked
-        by :class:`ChunkedBodyReader` and forwarded in one write, unchanged when it is whole
-        chunks (re-framed as one chunk otherwise); the SSE scanner sees the payload only until
-        the first useful event. ``head`` (None when already sent) goes out with the first bytes.
-        """
-        reader = ChunkedBodyReader()
-        pending_head = head
-        out = b""
-        data = await up.receive_raw() if up.unparsed else b""
-        while True:
-            if data:
-                try:
-                    piece = reader.feed(data, want_payload=scanner is not None)
-                except ChunkedFramingError as exc:
-                    raise UpstreamError(f"{up.target.name}: {exc}") from None
-                if piece.passthrough is not None:
-                    out = out + piece.passthrough if out else piece.passthrough
-                elif piece.payload:
-                    out += frame(piece.payload)
-                if scanner is not None and piece.payload:
-                    if scanner.feed(piece.payload) and slot is not None:
-                        slot.first_token()
-                    if scanner.done or scanner.limit_reached:
-                        scanner = None
-                if piece.done:
-                    up.finish_raw_body(piece.trailer, clean=not piece.leftover)
-                    prefix = down.frame(pending_head) if pending_head is not None else b""
-                    await down.send_raw(prefix + out + down.frame(h11.EndOfMessage()))
-                    return
-            if pending_head is not None:
-                out = down.frame(pending_head) + out
-                pending_head = None
-            if out:
-                await down.send_raw(out)
-                out = b""
-            if keepalive:
-                received: bytes | bytearray | None = None
-                with trio.move_on_after(KEEPALIVE_AFTER_S):
-                    received = await up.receive_raw()
-                if received is None:
-                    out = frame(KEEPALIVE_COMMENT)
-                    self.metrics.sse_keepalive_comments.inc()
-                    data = b""
-                    continue
-                data = received
-            else:
-                data = await up.receive_raw()
-            if not data:
-                raise UpstreamError(f"{up.target.name}: connection closed mid-response")
-            guard.progress()
-
-    async def copy_body(
-        self,
-        down: Downstream,
-        up: UpstreamConnection,
-        *,
-        scanner: FirstUsefulEventScanner | None,
-        slot: Slot | None,
-        guard: IdleGuard,
-        keepalive: bool = False,
-    ) -> None:
-        """Pass body chunks through as h11 reads them (Content-Length and close-delimited
-        bodies, HTTP/1.0 clients); scan only until the first useful SSE event.
-
-        With ``keepalive``, an SSE comment goes out whenever the backend stays silent for
-        :data:`KEEPALIVE_AFTER_S` (a cancelled receive loses no bytes).
-        """
-        while True:
-            if keepalive:
-                event = None
-                with trio.move_on_after(KEEPALIVE_AFTER_S):
-                    event = await up.next_event()
-                if event is None:
-                    await down.send(h11.Data(data=KEEPALIVE_COMMENT))
-                    self.metrics.sse_keepalive_comments.inc()
-                    continue
-            else:
-                event = await up.next_event()
-            guard.progress()
-            if isinstance(event, h11.Data):
-                data, ended = up.drain_buffered(bytes(event.data))
-                if ended:
-                    await down.send(h11.Data(data=data), h11.EndOfMessage())
-                    if scanner is not None and scanner.feed(data) and slot is not None:
-                        slot.first_token()
-                    return
-                # One downstream write for everything this upstream read brought.
-                await down.send(h11.Data(data=data))
-                guard.progress()
-                if scanner is not None:
-                    if scanner.feed(data) and slot is not None:
-                        slot.first_token()
-                    if scanner.done or scanner.limit_reached:
-                        scanner = None
-            elif isinstance(event, h11.EndOfMessage):
-                await down.send(h11.EndOfMessage())
-                return
