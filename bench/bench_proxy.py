@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -1258,6 +1259,12 @@ def parse_args() -> argparse.Namespace:
         "--no-refusals", action="store_true", help="skip the refusal flood (every request a 429)"
     )
     parser.add_argument(
+        "--admin-viewer",
+        action="store_true",
+        help="add a column: the dynamic guard with its admin plane on and one stream viewer that"
+        " subscribes to everything and never reads",
+    )
+    parser.add_argument(
         "--profile-guard", metavar="DIR", help="run the guard under cProfile, write DIR/*.prof"
     )
     parser.add_argument("--serve-backend", action="store_true", help=argparse.SUPPRESS)
@@ -1338,6 +1345,22 @@ REFUSAL_BODY = (
     '"param":null,"code":429}}'
 )
 REFUSAL_CONNECTIONS = 32
+#: ``--admin-viewer``'s column, and the token its guard's admin plane wants.
+STALLED_VIEWER = "guard + stalled viewer"
+ADMIN_TOKEN = "bench-admin-token"
+
+
+def _admin_viewers(port: int) -> int:
+    """How many viewers the guard's admin plane has now (-1 when it cannot be read)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/admin/state",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=2) as answer:
+            return int(json.loads(answer.read())["viewers"])
+    except (OSError, ValueError, KeyError):
+        return -1
 
 Results = dict[str, dict[str, float]]
 Target = Callable[["Plan", subprocess.Popen[Any], int], Results]
@@ -1377,6 +1400,10 @@ class Setup:
         self.targets: dict[str, Target] = {
             mode: functools.partial(self.through_guard, mode) for mode in self.columns[1:]
         }
+        if getattr(args, "admin_viewer", False):
+            self.columns.append(STALLED_VIEWER)
+            self.targets[STALLED_VIEWER] = self.through_guard_with_stalled_viewer
+        self.admin_port = 0
         self.refusals: dict[str, Results] = {}
         self.nginx: str | None = None
         if not getattr(args, "no_nginx", True):
@@ -1395,7 +1422,14 @@ class Setup:
         env.update(GUARD_ENV, UPSTREAM=f"http://127.0.0.1:{backend_port}")
         if mode == "guard refusing":
             env.update(GLOBAL_LIMIT="0", PIG_QUEUE_WAIT_SECONDS="0")
-        if mode == "guard dynamic":
+        if mode == STALLED_VIEWER:
+            self.admin_port = free_port()
+            env.update(
+                PIG_ADMIN_LISTEN=f"127.0.0.1:{self.admin_port}",
+                TOKEN=ADMIN_TOKEN,
+                API_AUTH_ENABLED="false",
+            )
+        if mode in ("guard dynamic", STALLED_VIEWER):
             env.update(
                 DYNAMIC_PIG_ENABLED="true",
                 DYNAMIC_PIG_ENFORCE="false",
@@ -1457,6 +1491,29 @@ class Setup:
             return run_target(
                 plan, port, backend_port, {"backend": backend.pid, "guard": pid}, self
             )
+
+    def through_guard_with_stalled_viewer(
+        self, plan: Plan, backend: subprocess.Popen[Any], backend_port: int
+    ) -> Results:
+        """The dynamic guard with a viewer of its admin stream that never reads: the proxy must
+        not wait on it (the viewer is dropped once its buffer is full)."""
+        with self.running_guard(STALLED_VIEWER, backend_port) as (port, pid):
+            url = f"ws://127.0.0.1:{self.admin_port}/admin/events"
+            viewer = [sys.executable, str(Path(__file__).with_name("bench_admin.py"))]
+            viewer += ["--as-viewers", url, "0", "1", "3600"]
+            with process(viewer, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
+                deadline = time.monotonic() + 10
+                while _admin_viewers(self.admin_port) < 1 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                results = run_target(
+                    plan, port, backend_port, {"backend": backend.pid, "guard": pid}, self
+                )
+                left = _admin_viewers(self.admin_port)
+                self.notes.append(
+                    f"{STALLED_VIEWER}: the viewer that never reads was "
+                    + ("dropped by the end" if left == 0 else f"still attached ({left} viewer)")
+                )
+            return results
 
     def through_nginx(
         self, plan: Plan, backend: subprocess.Popen[Any], backend_port: int

@@ -220,6 +220,15 @@ async def test_the_dashboard_receives_the_stream_and_draws(
                     break
                 await trio.sleep(0.2)
         await trio.sleep(0.5)  # one more frame drawn
+        # Two moments apart: every chart is redrawn with new points and the counts move on.
+        pictures = "Array.from(document.querySelectorAll('canvas')).map(c => c.toDataURL())"
+        before = await evaluate(tools, session, pictures)
+        counted = json.loads(
+            await evaluate(tools, session, "JSON.stringify(document.body.dataset)")
+        )
+        await trio.sleep(1.5)
+        after = await evaluate(tools, session, pictures)
+        later = json.loads(await evaluate(tools, session, "JSON.stringify(document.body.dataset)"))
         dom = await evaluate(tools, session, "document.documentElement.outerHTML")
         drawn = await evaluate(
             tools,
@@ -246,3 +255,7 @@ async def test_the_dashboard_receives_the_stream_and_draws(
     assert "admitted" in dom
     assert len(drawn) == 4
     assert all(lit > 500 for lit in drawn), drawn  # axes, labels and lines on every chart
+    assert len(before) == len(after) == 4
+    assert all(b != a for b, a in zip(before, after, strict=True))  # each chart moved on
+    assert int(later["decisions"]) > int(counted["decisions"])
+    assert int(later["admissions"]) > int(counted["admissions"])
