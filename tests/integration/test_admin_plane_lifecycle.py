@@ -24,7 +24,7 @@ from wsproto.events import AcceptConnection, CloseConnection, Ping, Request, Tex
 
 from guard_adapters.admin_stream import keeps_admission
 from guard_adapters.recording import open_for_reading, read_records
-from guard_core import Refused
+from guard_core import Arrived, Refused
 from guard_trio._listeners import EventFanout, add_event_listener
 from guard_trio.admin import DROPPED_CODE, GOING_AWAY_CODE, AdminPlane, serve_admin
 
@@ -123,11 +123,17 @@ async def test_a_viewer_that_stops_reading_is_dropped_while_the_proxy_keeps_answ
     nursery.start_soon(keep_reading)
     await until(lambda: len(plane.hub.viewers) == 2)
 
+    # The stream names each request by its X-Request-Id, which its arrival records.
+    names: dict[int, str] = {}
     refused: list[str] = []
-    add_event_listener(
-        server.engine,
-        lambda e: refused.append(str(e.request_id)) if isinstance(e, Refused) else None,
-    )
+
+    def note(event: object) -> None:
+        if isinstance(event, Arrived):
+            names[event.request_id] = event.trace_id
+        elif isinstance(event, Refused):
+            refused.append(names.pop(event.request_id))
+
+    add_event_listener(server.engine, note)
     connection = await http.connect(guard)
     sent, slowest = 0, 0.0
     with trio.fail_after(60):

@@ -2,8 +2,8 @@
 
 Reads the source of ``guard_trio`` and ``guard_adapters`` only (no import of the modules under
 test): no module of the shell but the command-line dispatcher imports ``guard_trio._watch_cli``
-(nor the live view, which only the client draws), and the live view's modules import neither
-I/O, nor a clock, nor a concurrency library.
+(nor the live view, which only the client and the demo draw), and the live view's modules
+import neither I/O, nor a clock, nor a concurrency library.
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ def _imported(path: Path) -> set[str]:
     return names
 
 
-SERVING = sorted(p for p in SHELL.rglob("*.py") if p.name not in ("cli.py", "_watch_cli.py"))
+#: The command-line dispatcher, the client itself, and the tools: the demo draws its live line
+#: with the live view's compact line, as the issue asks (it never imports the client).
+SERVING = sorted(
+    p
+    for p in SHELL.rglob("*.py")
+    if p.name not in ("cli.py", "_watch_cli.py") and "tools" not in p.relative_to(SHELL).parts
+)
+TOOLS = sorted((SHELL / "tools").rglob("*.py"))
 
 
 def test_the_modules_are_found() -> None:
@@ -49,3 +56,8 @@ def test_the_serving_shell_does_not_import_the_watch_client(path: Path) -> None:
 def test_the_live_view_is_pure(path: Path) -> None:
     impure = sorted(n for n in _imported(path) if n.split(".")[0] in IMPURE)
     assert impure == []
+
+
+@pytest.mark.parametrize("path", TOOLS, ids=lambda p: str(p.relative_to(SHELL)))
+def test_the_tools_may_draw_with_the_live_view_but_never_import_the_client(path: Path) -> None:
+    assert sorted(n for n in _imported(path) if n.startswith("guard_trio._watch_cli")) == []
