@@ -11,13 +11,13 @@ The key, in order of precedence:
 2. ``user``: the OpenAI ``user`` field, a non-empty string at the body's top level (seen only
    when it lies within the bytes looked at);
 3. ``prefix``: the leading ``prefix_bytes`` bytes of the prompt as a stream: for chat bodies
-   each of the ``messages`` as its role, a unit separator, its text (a string ``content``, or
-   the ``text`` of its content parts, joined) and a record separator; for completions the
-   ``prompt`` (a string, the first of a list of strings, or token ids written as decimal
-   numbers). Requests that share a system prompt and the start of a conversation thus share
-   a key while the bytes taken stay within what they share; ``prefix_bytes`` should reach
-   past a system prompt common to every request, or every request gets the same key (the
-   bounded load still spreads them, but affinity then says nothing).
+   the ``messages`` up to and including the first ``user`` one (the system prompt and the
+   conversation's opening), each as its role, a unit separator, its text (a string
+   ``content``, or the ``text`` of its content parts, joined) and a record separator; for
+   completions the ``prompt`` (a string, the first of a list of strings, or token ids written
+   as decimal numbers). Every later turn of a conversation repeats that opening, so a
+   conversation keeps its key, and its backend keeps its history's prefix cache warm; two
+   conversations share a key only when they open the same way.
 
 The key is the first 8 bytes of a blake2b digest of the kind and the material, as an unsigned
 integer (what :func:`guard_core.affinity.choose` takes).
@@ -239,6 +239,8 @@ def prompt_stream(document: dict[str, object], limit: int) -> bytes | None:
             out += _UNIT
             out += (text or "").encode("utf-8", "surrogatepass")
             out += _RECORD
+            if role == "user":
+                break  # the conversation's opening: every later turn repeats it
         return bytes(out[:limit]) if out else None
     prompt = document.get("prompt")
     if isinstance(prompt, list) and prompt:

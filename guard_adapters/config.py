@@ -117,6 +117,7 @@ __all__ = (
     "REDACTED",
     "RETRY_AFTER_MODES",
     "REWRITE_STRATEGIES",
+    "ROUTINGS",
     "VARIABLES",
     "Backend",
     "ConfigError",
@@ -152,6 +153,9 @@ RETRY_AFTER_MODES: Final = ("fixed", "predicted")
 #: ``PIG_FAILURE_MODE`` values, the default first: no intake without metrics (PIG's), or
 #: forward within ``GLOBAL_LIMIT``.
 FAILURE_MODES: Final = ("close", "open")
+#: ``PIG_ROUTING`` values, the default first: PIG's backend choice (a load score), or the
+#: guard's pool router (bounded-load affinity, then the best predicted outcome).
+ROUTINGS: Final = ("pig", "guard")
 
 
 #: The core configs whose fields name the variables they are read from, in the order their
@@ -435,6 +439,11 @@ class Environment:
     pig_backend_eject_seconds: float = FROM_CONFIG
     pig_backend_eject_max_seconds: float = FROM_CONFIG
     pig_backend_full_hold_seconds: float = FROM_CONFIG
+    # -- inference-guard's routing among several backends (docs/serve.md)
+    pig_routing: str = attrs.field(default=ROUTINGS[0], converter=_word, metadata={_WORD: True})
+    pig_affinity_header: str = ""
+    pig_affinity_bound: float = 1.25
+    pig_affinity_prefix_bytes: int = 4096
     # -- spec 2.7: SSE
     sse_keepalive_enabled: bool = False
     sse_early_bridge_enabled: bool = False
@@ -536,6 +545,12 @@ class Settings:
     def predictive_enabled(self) -> bool:
         """``DYNAMIC_POLICY=predictive``: the predictive learner decides admission."""
         return self.env.dynamic_policy == POLICIES[1]
+
+    @property
+    def guard_routing(self) -> bool:
+        """``PIG_ROUTING=guard`` with several backends: the pool router picks each request's
+        backend (with one backend there is nothing to pick)."""
+        return self.env.pig_routing == ROUTINGS[1] and len(self.backends) > 1
 
     @property
     def fail_open(self) -> bool:
@@ -1107,6 +1122,9 @@ def _problems(env: Environment) -> list[Problem]:
     c.at_least(f.pig_upstream_idle_timeout_seconds, 0)
     _path_problems(c, f.pig_forward_paths, required=False)
     c.rule(f.pig_failure_mode, OneOf(FAILURE_MODES))
+    c.rule(f.pig_routing, OneOf(ROUTINGS))
+    c.above(f.pig_affinity_bound, 1)
+    c.above(f.pig_affinity_prefix_bytes, 0)
     _feature_problems(c)
     c.above(f.dynamic_poll_interval_ms, 0)
     _core_problems(c)

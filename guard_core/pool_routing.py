@@ -30,9 +30,12 @@ from collections.abc import Sequence
 import attrs
 
 from guard_core import affinity
-from guard_core.ranking import Candidate, best
+from guard_core.backend_choice import BackendView, backend_score, takes_work
+from guard_core.backend_prediction import outlook
+from guard_core.predictive import PredictiveState
+from guard_core.ranking import Candidate, best, pig_room
 
-__all__ = ("Route", "RouteReason", "route")
+__all__ = ("Route", "RouteReason", "candidates", "route")
 
 
 class RouteReason(enum.StrEnum):
@@ -78,3 +81,54 @@ def route(
     if ranked is None:
         return None
     return Route(ranked, candidates[ranked].name, RouteReason.RANKED)
+
+
+def candidates(
+    views: Sequence[BackendView],
+    *,
+    now: float,
+    predictive: PredictiveState | None,
+    body_bytes: int | None,
+    tried: frozenset[int] = frozenset(),
+    capacity_ratio: float,
+    target_user_tps: float,
+) -> tuple[Candidate, ...]:
+    """The router's view of a pool for one request, from backend choice's views: eligible when
+    health lets it take work and the request has not been there yet; room and rank from the
+    predictive learner's outlook for this request when it runs, else from PIG's room rule and
+    load score."""
+    pool_inflight = sum(view.inflight for view in views)
+    built = []
+    for index, view in enumerate(views):
+        eligible = index not in tried and takes_work(view, now=now)
+        if predictive is not None:
+            seen = outlook(
+                predictive,
+                view.name,
+                inflight=view.inflight,
+                pool_inflight=pool_inflight,
+                body_bytes=body_bytes,
+                at=now,
+            )
+            built.append(
+                Candidate(
+                    name=view.name,
+                    eligible=eligible,
+                    room=seen.within_target,
+                    load=view.inflight,
+                    outlook=seen,
+                )
+            )
+        else:
+            built.append(
+                Candidate(
+                    name=view.name,
+                    eligible=eligible,
+                    room=pig_room(view, target_user_tps=target_user_tps),
+                    load=view.inflight,
+                    score=backend_score(
+                        view, capacity_ratio=capacity_ratio, target_user_tps=target_user_tps
+                    ),
+                )
+            )
+    return tuple(built)

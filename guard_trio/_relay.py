@@ -30,6 +30,7 @@ import h11
 import trio
 
 from guard_adapters._errors import BodyRewriteError
+from guard_adapters.affinity_key import affinity_key
 from guard_adapters.exchange import (
     GATEWAY_TIMEOUT_BODY,
     chunked_passthrough,
@@ -44,7 +45,9 @@ from guard_adapters.openai_body import StreamingRewriter
 from guard_adapters.outcome import Bridge, Disconnect, ExchangeNotes
 from guard_adapters.sse import FirstUsefulEventScanner, is_streaming_request
 from guard_core import Lane, Tier
+from guard_core.affinity import build_ring
 from guard_core.backend_choice import backend_views, choose_backend, is_probe
+from guard_core.pool_routing import candidates, route
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
 from guard_trio._copy import KEEPALIVE_COMMENT, copy_body, copy_chunked, send_head
 from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
@@ -96,29 +99,73 @@ class Relay:
         self.upstream_head_timeout_s = budget(env.pig_upstream_head_timeout_seconds)
         self.upstream_idle_timeout_s = budget(env.pig_upstream_idle_timeout_seconds)
         self.health = BackendHealthReports(self.engine, backends=len(self.targets))
+        #: ``PIG_ROUTING=guard``: the affinity ring of the backends, built once.
+        self.ring = build_ring(self.target_names) if settings.guard_routing else None
+        self.affinity_header = env.pig_affinity_header.strip().lower().encode()
+        self.affinity_bound = float(env.pig_affinity_bound)
+        self.affinity_prefix_bytes = int(env.pig_affinity_prefix_bytes)
 
     def low_load(self) -> bool:
         """PIG's gate for SSE keep-alive and the early bridge: quiet backend, empty queue."""
         return low_load(self.engine.state.gate, dynamic=self.settings.dynamic_enabled)
 
-    def pick_backend(self, tried: frozenset[int] = frozenset()) -> tuple[int, bool] | None:
+    def affinity_key(
+        self, headers: list[tuple[bytes, bytes]], body: list[bytes] | None
+    ) -> int | None:
+        """The request's affinity key under ``PIG_ROUTING=guard``: the trusted session header
+        (``PIG_AFFINITY_HEADER``), else the body's ``user`` or prompt prefix (a held body)."""
+        if self.ring is None:
+            return None
+        session = first_header(headers, self.affinity_header) if self.affinity_header else None
+        if not session and body is None:
+            return None
+        found = affinity_key(
+            b"".join(body) if body else b"",
+            session=session,
+            prefix_bytes=self.affinity_prefix_bytes,
+        )
+        return None if found is None else found.key
+
+    def pick_backend(
+        self,
+        tried: frozenset[int] = frozenset(),
+        *,
+        key: int | None = None,
+        body_bytes: int | None = None,
+    ) -> tuple[int, bool] | None:
         """The backend to send to, and whether the request is its half-open probe (told to the
-        core); ``tried``: backends it already went to (``None``: no other one takes work)."""
+        core); ``tried``: backends it already went to (``None``: no other one takes work).
+        Under ``PIG_ROUTING=guard`` the pool router picks (``key``: the request's affinity
+        key); PIG's backend choice otherwise, and whenever the router finds no backend."""
         if len(self.targets) == 1:
             return None if tried else (0, False)
         state = self.engine.state
         policy = state.config.policy
         now = self.engine.seconds_since_start()
         views = backend_views(self.target_names, state.published, state.traffic, state.health)
-        chosen = choose_backend(
-            views,
-            now=now,
-            poll_interval_s=self.settings.env.dynamic_poll_interval_ms / 1000,
-            dynamic=self.settings.dynamic_enabled,
-            capacity_ratio=policy.capacity_ratio,
-            target_user_tps=policy.user_tps_yellow,
-            tried=tried,
-        )
+        chosen: int | None = None
+        if self.ring is not None:
+            pool = candidates(
+                views,
+                now=now,
+                predictive=state.predictive,
+                body_bytes=body_bytes,
+                tried=tried,
+                capacity_ratio=policy.capacity_ratio,
+                target_user_tps=policy.user_tps_yellow,
+            )
+            routed = route(pool, ring=self.ring, key=key, bound=self.affinity_bound)
+            chosen = None if routed is None else routed.index
+        if chosen is None:
+            chosen = choose_backend(
+                views,
+                now=now,
+                poll_interval_s=self.settings.env.dynamic_poll_interval_ms / 1000,
+                dynamic=self.settings.dynamic_enabled,
+                capacity_ratio=policy.capacity_ratio,
+                target_user_tps=policy.user_tps_yellow,
+                tried=tried,
+            )
         if chosen is None:
             return None
         probe = is_probe(views[chosen], now=now)
@@ -141,10 +188,11 @@ class Relay:
     ) -> int:
         """Forward one request and relay the response; returns the status the client got."""
         proxy_started = trio.current_time()
-        picked = self.pick_backend()
+        body_length = sum(len(c) for c in body) if body is not None else content_length(headers)
+        key = self.affinity_key(headers, body)
+        picked = self.pick_backend(key=key, body_bytes=body_length)
         assert picked is not None
         index, probe = picked
-        body_length = sum(len(c) for c in body) if body is not None else content_length(headers)
         if rewriter is not None:
             body_length = None  # the rewritten body goes upstream chunked
         upstream = partial(
@@ -219,7 +267,9 @@ class Relay:
                             continue
                         again = None
                         if self.health.go_on(exc, target.name, up, down.can_respond, replayable):
-                            again = self.pick_backend(frozenset(tried))
+                            again = self.pick_backend(
+                                frozenset(tried), key=key, body_bytes=body_length
+                            )
                         if again is None:
                             probe = False  # its verdict is told
                             return await self.upstream_failed(down, refused=refused)

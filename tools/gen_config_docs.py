@@ -94,6 +94,20 @@ held, else the client gets the guard's own 429, never the engine's answer. A poo
 backend is ejected or full still gets requests (a full one first): the guard tries rather than
 refusing everything. With one backend none of this applies (PIG's contract).
 """,
+    "inference-guard's routing among several backends (docs/serve.md)": """
+`PIG_ROUTING` picks how a request chooses among several backends. `pig` (the default) is PIG's
+load score. `guard` is the guard's pool router. A request with an affinity key goes to the
+backend that consistent hashing with bounded loads gives it, while that backend has room: no
+backend then holds more than `PIG_AFFINITY_BOUND` times the pool's mean in-flight count, plus
+one. Otherwise it goes to the best-ranked backend with room, by the predictive learner's
+predicted speed and TTFT for this request, or by PIG's score under PIG's learner. The key is the
+value of the trusted header `PIG_AFFINITY_HEADER` when one is named and sent (a session set by
+the gateway), else the body's OpenAI `user` field, else a hash of the prompt's first
+`PIG_AFFINITY_PREFIX_BYTES` bytes (the chat messages in order, or `prompt`). Requests that share
+a prefix then share a backend's prefix cache. A body the guard streams rather than holds gives
+no prefix key. The router never picks an ejected or full backend while another can take the
+request. `simulate --routing` measures the router (docs/simulation.md).
+""",
 }
 
 

@@ -111,3 +111,24 @@ def test_the_body_limit_bounds_what_is_read() -> None:
     body = json.dumps({"tools": filler, "messages": [{"role": "user", "content": "hi"}]})
     assert affinity_key(body.encode(), body_limit=1000) is None
     assert affinity_key(body.encode()) is not None
+
+
+@given(
+    system=st.text(min_size=1, max_size=200),
+    opening=st.text(min_size=1, max_size=200),
+    later=st.lists(st.tuples(st.text(max_size=100), st.text(max_size=100)), max_size=4),
+)
+def test_every_turn_of_a_conversation_keeps_its_openings_key(
+    system: str, opening: str, later: list[tuple[str, str]]
+) -> None:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": opening}]
+    first = affinity_key(json.dumps({"messages": messages}).encode())
+    for answer, question in later:
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": question},
+        ]
+        turn = affinity_key(json.dumps({"messages": messages}).encode())
+        assert turn == first
+    other = [{"role": "system", "content": system}, {"role": "user", "content": opening + "!"}]
+    assert affinity_key(json.dumps({"messages": other}).encode()) != first
