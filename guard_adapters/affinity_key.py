@@ -43,6 +43,7 @@ __all__ = (
     "AffinityKey",
     "affinity_key",
     "key_of",
+    "leading_string",
     "prompt_stream",
 )
 
@@ -253,6 +254,35 @@ def prompt_stream(document: dict[str, object], limit: int) -> bytes | None:
     return None
 
 
+def _leading(
+    body: bytes | bytearray | memoryview, body_limit: int
+) -> tuple[dict[str, object], str | None] | None:
+    """The top-level members found in the body's first ``body_limit`` bytes, and the member the
+    cut fell inside (if any); ``None`` for anything but the start of a JSON object."""
+    text = bytes(body[: max(0, body_limit)]).decode("utf-8", "replace")
+    reader = _Reader(text)
+    try:
+        if not reader._skip_space() or text[reader.pos] != "{":
+            return None
+        document = reader.members(0)
+    except (_Malformed, RecursionError):
+        return None
+    return document, reader.cut_member
+
+
+def leading_string(
+    body: bytes | bytearray | memoryview, name: str, *, body_limit: int = DEFAULT_BODY_LIMIT
+) -> str | None:
+    """A top-level string member of a (possibly cut) JSON body, when it lies whole within its
+    first ``body_limit`` bytes (the request's ``model``, for example); else ``None``."""
+    read = _leading(body, body_limit)
+    if read is None:
+        return None
+    document, cut_member = read
+    value = document.get(name)
+    return value if isinstance(value, str) and cut_member != name else None
+
+
 def affinity_key(
     body: bytes | bytearray | memoryview,
     *,
@@ -264,17 +294,12 @@ def affinity_key(
     if session:
         material = session if isinstance(session, bytes) else session.encode("utf-8", "replace")
         return AffinityKey(key_of("session", material), "session")
-    head = bytes(body[: max(0, body_limit)])
-    text = head.decode("utf-8", "replace")
-    reader = _Reader(text)
-    try:
-        if not reader._skip_space() or text[reader.pos] != "{":
-            return None
-        document = reader.members(0)
-    except (_Malformed, RecursionError):
+    read = _leading(body, body_limit)
+    if read is None:
         return None
+    document, cut_member = read
     user = document.get("user")
-    if isinstance(user, str) and user and reader.cut_member != "user":
+    if isinstance(user, str) and user and cut_member != "user":
         return AffinityKey(key_of("user", user.encode("utf-8", "surrogatepass")), "user")
     stream = prompt_stream(document, max(1, prefix_bytes))
     if stream is None:

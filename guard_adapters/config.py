@@ -84,6 +84,7 @@ from cattrs.gen import make_dict_structure_fn, override
 from guard_adapters._errors import ConfigError
 from guard_adapters._rules import Identifier, OneOf
 from guard_adapters._rules import shown as _shown
+from guard_adapters.model_pools import ModelPools, parse_pools
 from guard_adapters.openai_body import (
     DEFAULT_OUTPUT_TOKEN_FIELDS,
     PRIORITY_MODES,
@@ -444,6 +445,7 @@ class Environment:
     pig_affinity_header: str = ""
     pig_affinity_bound: float = 1.25
     pig_affinity_prefix_bytes: int = 4096
+    pig_pools: str = ""
     # -- spec 2.7: SSE
     sse_keepalive_enabled: bool = False
     sse_early_bridge_enabled: bool = False
@@ -509,6 +511,8 @@ class Settings:
     listen_port: int
     #: ``PIG_ADMIN_LISTEN`` split into host and port; None: the admin plane is off.
     admin_listen: tuple[str, int] | None = None
+    #: ``PIG_POOLS``: the backends of each routed model; None: no model routing (PIG's form).
+    model_pools: ModelPools | None = None
 
     @classmethod
     def from_environment(cls, env: Environment) -> Settings:
@@ -529,6 +533,7 @@ class Settings:
             listen_host=listen[0],
             listen_port=listen[1],
             admin_listen=_split_listen(env.pig_admin_listen) if env.pig_admin_listen else None,
+            model_pools=parse_pools(env.pig_pools, [b.name for b in routing.backends])[0],
         )
 
     @property
@@ -1107,6 +1112,7 @@ def _problems(env: Environment) -> list[Problem]:
         c.add(["LISTEN"], f"expected [host]:port with a numeric port, got {_shown(env.listen)}")
     _routing_problems(c, _resolve_routing(env))
     _admin_problems(c)
+    _pool_problems(c)
     _path_problems(c, f.pig_paths, required=True)
     c.above(f.proxy_timeout_seconds, 0)
     c.at_least(f.pig_status_log_interval_seconds, 0)
@@ -1149,6 +1155,13 @@ def _core_problems(c: _Checks) -> None:
             if problem not in found:
                 found.append(problem)
     c.found.extend(found)
+
+
+def _pool_problems(c: _Checks) -> None:
+    """``PIG_POOLS``: each entry a model and configured backends (guard_adapters.model_pools)."""
+    names = [b.name for b in _resolve_routing(c.env).backends]
+    for problem in parse_pools(c.env.pig_pools, names)[1]:
+        c.add(["PIG_POOLS"], problem)
 
 
 def _admin_problems(c: _Checks) -> None:

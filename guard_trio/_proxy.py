@@ -32,9 +32,7 @@ from guard_adapters._errors import BodyRewriteError
 from guard_adapters.config import Settings
 from guard_adapters.exchange import (
     BAD_ENCODING_BODY,
-    NOT_FOUND,
     TOO_MANY_REQUESTS_BODY,
-    UNAUTHORIZED_JSON,
     Route,
     Routes,
     content_length,
@@ -46,6 +44,7 @@ from guard_adapters.exchange import (
 )
 from guard_adapters.exchange import refusal_headers as standard_refusal_headers
 from guard_adapters.http_head import SimpleRequest
+from guard_adapters.model_pools import model_not_found_body, models_document, request_model
 from guard_adapters.openai_body import (
     Plan,
     StreamingRewriter,
@@ -70,7 +69,6 @@ from guard_core import (
     apply_guard_event,
     body_lane,
     tier_from_header_values,
-    upstream_status_digit,
 )
 from guard_core.lanes import (
     DEFAULT_OUTPUT_THRESHOLDS,
@@ -86,7 +84,8 @@ from guard_trio._downstream import (
     whole_response_bytes,
 )
 from guard_trio._engine import AdmissionResult, Attempt, GuardEngine
-from guard_trio._observability import GuardMetrics, backend_pages
+from guard_trio._observability import GuardMetrics
+from guard_trio._own_routes import answer_own
 from guard_trio._relay import Relay
 from guard_trio._upstream import UpstreamPool
 
@@ -158,6 +157,8 @@ class ProxyApp:
         self.adaptive_config = settings.adaptive_output
         self.output_thresholds = settings.lane_thresholds.output
         self.relay = Relay(self)
+        #: ``PIG_POOLS``: the backends of each routed model (None: PIG's single pool).
+        self.model_pools = settings.model_pools
 
     # -- small responses -----------------------------------------------------------------------
 
@@ -178,8 +179,8 @@ class ProxyApp:
         Only a POST to an admitted path gets this far; every other route, and a request the API
         token check would refuse, returns ``(None, None)`` and takes the full path unchanged.
         """
-        if request.method != b"POST":
-            return None, None
+        if request.method != b"POST" or self.model_pools is not None:
+            return None, None  # with model routing the body's model is read first (full path)
         routes = self._admitted_routes
         if request.target in routes:
             route = routes[request.target]
@@ -286,54 +287,23 @@ class ProxyApp:
         )
         if route is Route.ADMITTED:
             await self.admitted(down, request, headers, begun)
+        elif (
+            route is Route.FORWARD
+            and self.model_pools is not None
+            and (method, path)
+            == (
+                b"GET",
+                "/v1/models",
+            )
+        ):
+            # Several models behind one guard: the list is theirs together, not one backend's.
+            await down.skip_body()
+            await down.respond(200, [_JSON], models_document(self.model_pools))
         elif route is Route.FORWARD:
             await self.relay.forward(down, request, headers, slot=None, tier=None)
         else:
             await down.skip_body()
-            await self.answer_own(down, route, request, headers)
-
-    async def answer_own(
-        self,
-        down: Downstream,
-        route: Route,
-        request: h11.Request,
-        headers: list[tuple[bytes, bytes]],
-    ) -> None:
-        """The routes the guard answers itself, and the early refusals of :class:`Routes`."""
-        if route is Route.HEALTH:
-            await down.respond(200, [_TEXT], b"ok\n")
-        elif route is Route.UNAUTHORIZED:
-            await down.respond(401, [_JSON], UNAUTHORIZED_JSON)
-        elif route is Route.UPGRADE_REFUSED:
-            await down.respond(400, [_TEXT], b"upgrade not allowed on this route\n")
-        elif route is Route.NOT_FOUND:
-            # Refused before any check: no backend may read this target as another path.
-            await down.respond(404, [_TEXT], NOT_FOUND)
-        elif route is Route.ATTESTATION:
-            if not self.authorized(headers):
-                await down.respond(401, [_JSON], UNAUTHORIZED_JSON)
-            elif request.method != b"GET":
-                await down.respond(405, [_TEXT], b"method not allowed\n")
-            elif not self.attestation_enabled:
-                await down.respond(404, [_TEXT], NOT_FOUND)
-            else:
-                query = request.target.partition(b"?")[2].decode("latin-1")
-                status, report_headers, body = await self.attestation.report(
-                    method=request.method, query=query
-                )
-                await down.respond(status, report_headers, body)
-        elif not self.authorized(headers):
-            await down.respond(401, [_TEXT], b"unauthorized\n")
-        elif route is Route.UPSTREAM_STATUS:
-            digit = upstream_status_digit(self.engine.state.gate)
-            await down.respond(200, [_TEXT], f"{int(digit)}\n".encode())
-        else:
-            page = (
-                self.local_metrics()
-                if route is Route.METRICS
-                else await backend_pages(self.local_metrics(), self.settings.backends)
-            )
-            await down.respond(200, [(b"content-type", self.metrics_content_type)], page)
+            await answer_own(self, down, route, request, headers)
 
     async def read_body(self, down: Downstream, limit: int) -> tuple[list[bytes], bool]:
         """Read up to ``limit`` bytes of body; returns (chunks, complete)."""
@@ -381,6 +351,14 @@ class ProxyApp:
             and not down.h11.they_are_waiting_for_100_continue
         ):
             body, _complete = await self.read_body(down, _BUFFER_LIMIT)
+        allowed: tuple[str, ...] | None = None
+        if self.model_pools is not None and body is not None:
+            model = request_model(b"".join(body))
+            if model is not None:
+                allowed = self.model_pools.backends_for(model)
+                if allowed is None:  # a client error, answered before any slot is asked for
+                    await down.respond(404, [_JSON], model_not_found_body(model))
+                    return
         output_tokens = self.output_intent(lane, length, body)
         if output_tokens is not None:
             lane = combine_lanes(lane, output_lane(output_tokens, self.current_output_thresholds()))
@@ -410,6 +388,7 @@ class ProxyApp:
                         body=body,
                         started=started,
                         output_tokens=output_tokens,
+                        allowed=allowed,
                     )
                     self.end_exchange(down)  # before the watcher's cancellation yields
                 nursery.cancel_scope.cancel()
@@ -472,8 +451,10 @@ class ProxyApp:
         body: list[bytes] | None,
         started: float,
         output_tokens: int | None,
+        allowed: tuple[str, ...] | None = None,
     ) -> None:
-        """Forward an admitted request; account for it and release its slot on every path."""
+        """Forward an admitted request (to one of the ``allowed`` backends, when its model
+        names them); account for it and release its slot on every path."""
         slot = result.slot
         assert slot is not None
         notes = down.notes
@@ -527,6 +508,7 @@ class ProxyApp:
                 body=rewritten if isinstance(rewritten, list) else body,
                 rewriter=rewritten if isinstance(rewritten, StreamingRewriter) else None,
                 output_tokens=output_tokens,
+                allowed=allowed,
             )
         finally:
             slot.release(status)

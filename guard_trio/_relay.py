@@ -185,12 +185,20 @@ class Relay:
         body: list[bytes] | None = None,
         rewriter: StreamingRewriter | None = None,
         output_tokens: int | None = None,
+        allowed: tuple[str, ...] | None = None,
     ) -> int:
-        """Forward one request and relay the response; returns the status the client got."""
+        """Forward one request and relay the response; returns the status the client got.
+        ``allowed``: the backends of the request's model (``PIG_POOLS``); None: any."""
         proxy_started = trio.current_time()
         body_length = sum(len(c) for c in body) if body is not None else content_length(headers)
         key = self.affinity_key(headers, body)
-        picked = self.pick_backend(key=key, body_bytes=body_length)
+        # Backends outside the model's pool count as tried: never picked, never retried on.
+        outside = frozenset(
+            i
+            for i, name in enumerate(self.target_names)
+            if allowed is not None and name not in allowed
+        )
+        picked = self.pick_backend(outside, key=key, body_bytes=body_length)
         assert picked is not None
         index, probe = picked
         if rewriter is not None:
@@ -222,7 +230,7 @@ class Relay:
         # idempotent one is: a POST the backend may have started must not generate twice.
         replayable = body is not None or body_length == 0
         idempotent = request.method in _IDEMPOTENT
-        tried = {index}
+        tried = {index, *outside}
         up: UpstreamConnection | None = None
         try:
             with trio.move_on_after(self.proxy_timeout_s) as deadline:

@@ -107,6 +107,16 @@ the gateway), else the body's OpenAI `user` field, else a hash of the prompt's f
 a prefix then share a backend's prefix cache. A body the guard streams rather than holds gives
 no prefix key. The router never picks an ejected or full backend while another can take the
 request. `simulate --routing` measures the router (docs/simulation.md).
+
+`PIG_POOLS` (`model=backend,backend;model=backend`, backend names from `BACKENDS`) routes by
+model. The top-level `model` of a request's JSON body picks the backends that serve it, and the
+backend choice (either routing) runs among those alone. A model no entry names gets OpenAI's
+404 `model_not_found` from the guard before any slot is asked for. A body that names no model
+is not routed by model. `GET /v1/models` is answered by the guard with every configured model.
+Requests on a kept-alive connection then take the full path, since the model is read before
+the admission, and the learned cap is still the guard's one cap over all backends: a cap per
+pool is not built yet. A body the guard streams rather than holds (over 2 MiB, or chunked) is
+not routed by model.
 """,
 }
 

@@ -1,0 +1,108 @@
+"""Model routing: which backends serve which model, from ``PIG_POOLS``.
+
+Reads: the text of ``PIG_POOLS`` (``model=backend,backend;model=backend``: each model name, then
+the names of the ``BACKENDS`` that serve it), the configured backend names, and a request's
+body (its top-level ``model``).
+Guarantees:
+- :func:`parse_pools` accepts exactly the documented form: every entry names a model once, at
+  least one backend, and only configured backends; anything else is a list of problems, each
+  saying which entry and why, and nothing is half-built;
+- :meth:`ModelPools.backends_for` gives the backends of a known model (in configuration order)
+  and ``None`` for an unknown one; a request that names no model is not routed by model;
+- the answers the guard gives itself are OpenAI's shapes: :func:`models_document` is the
+  ``/v1/models`` list (the configured models, in order) and :func:`model_not_found_body` the 404
+  for a model no pool serves (the name is JSON-escaped, never echoed raw).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from guard_adapters.affinity_key import leading_string
+
+__all__ = (
+    "ModelPools",
+    "model_not_found_body",
+    "models_document",
+    "parse_pools",
+    "request_model",
+)
+
+
+@attrs.frozen
+class ModelPools:
+    """The models the guard routes, each with the backends that serve it."""
+
+    #: Model name to backend names, in the order configured.
+    by_model: Mapping[str, tuple[str, ...]]
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(self.by_model)
+
+    def backends_for(self, model: str) -> tuple[str, ...] | None:
+        return self.by_model.get(model)
+
+
+def parse_pools(text: str, backend_names: Sequence[str]) -> tuple[ModelPools | None, list[str]]:
+    """``PIG_POOLS`` as pools, or the problems found (see the module rules); empty: no pools."""
+    if not text.strip():
+        return None, []
+    known = set(backend_names)
+    by_model: dict[str, tuple[str, ...]] = {}
+    problems: list[str] = []
+    for number, entry in enumerate(text.split(";"), start=1):
+        if not entry.strip():
+            continue
+        model, equals, listed = entry.partition("=")
+        model = model.strip()
+        names = tuple(dict.fromkeys(n.strip() for n in listed.split(",") if n.strip()))
+        if not equals or not model:
+            problems.append(f"entry {number} ({entry.strip()!r}) is not model=backend,...")
+            continue
+        if model in by_model:
+            problems.append(f"entry {number} names model {model!r} a second time")
+            continue
+        if not names:
+            problems.append(f"entry {number} gives model {model!r} no backend")
+            continue
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            problems.append(
+                f"entry {number} names backends not in BACKENDS: {', '.join(unknown)}"
+                f" (known: {', '.join(backend_names) or 'none'})"
+            )
+            continue
+        by_model[model] = names
+    if problems:
+        return None, problems
+    if not by_model:
+        return None, ["no model=backend entry"]
+    return ModelPools(by_model=by_model), []
+
+
+def request_model(body: bytes | bytearray | memoryview) -> str | None:
+    """The ``model`` a JSON request body names at its top level (read from its first bytes)."""
+    return leading_string(body, "model")
+
+
+def models_document(pools: ModelPools) -> bytes:
+    """``GET /v1/models`` answered by the guard: every routed model, as OpenAI lists them."""
+    data = [
+        {"id": model, "object": "model", "owned_by": "inference-guard"} for model in pools.models
+    ]
+    return json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode() + b"\n"
+
+
+def model_not_found_body(model: str) -> bytes:
+    """The 404 for a model no pool serves (OpenAI's ``model_not_found`` shape)."""
+    error = {
+        "message": f"The model {model!r} is not served here.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    return json.dumps({"error": error}, separators=(",", ":")).encode() + b"\n"
