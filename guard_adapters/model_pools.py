@@ -9,6 +9,9 @@ Guarantees:
   saying which entry and why, and nothing is half-built;
 - :meth:`ModelPools.backends_for` gives the backends of a known model (in configuration order)
   and ``None`` for an unknown one; a request that names no model is not routed by model;
+- a *pool* is one set of backends: models that name the same set share it, and two sets that
+  overlap without being equal are refused (a backend carries one pool's cap, never two);
+  :meth:`ModelPools.pools` lists each pool once, named after its first model, in order;
 - the answers the guard gives itself are OpenAI's shapes: :func:`models_document` is the
   ``/v1/models`` list (the configured models, in order) and :func:`model_not_found_body` the 404
   for a model no pool serves (the name is JSON-escaped, never echoed raw).
@@ -46,6 +49,21 @@ class ModelPools:
     def backends_for(self, model: str) -> tuple[str, ...] | None:
         return self.by_model.get(model)
 
+    def pools(self) -> tuple[tuple[str, frozenset[str]], ...]:
+        """Each pool once: (its name, its backends), in the order first named."""
+        found: dict[frozenset[str], str] = {}
+        for model, names in self.by_model.items():
+            found.setdefault(frozenset(names), model)
+        return tuple((name, backends) for backends, name in found.items())
+
+    def pool_of(self, model: str) -> str | None:
+        """The name of the pool serving ``model`` (None: no pool does)."""
+        names = self.by_model.get(model)
+        if names is None:
+            return None
+        wanted = frozenset(names)
+        return next(name for name, backends in self.pools() if backends == wanted)
+
 
 def parse_pools(text: str, backend_names: Sequence[str]) -> tuple[ModelPools | None, list[str]]:
     """``PIG_POOLS`` as pools, or the problems found (see the module rules); empty: no pools."""
@@ -77,6 +95,16 @@ def parse_pools(text: str, backend_names: Sequence[str]) -> tuple[ModelPools | N
             )
             continue
         by_model[model] = names
+    sets = {frozenset(names) for names in by_model.values()}
+    for one in sets:
+        for other in sets:
+            shared = one & other
+            if one != other and shared:
+                problems.append(
+                    f"two pools share backends ({', '.join(sorted(shared))}): a backend serves"
+                    " one set of models, given as the same list each time"
+                )
+    problems = list(dict.fromkeys(problems))
     if problems:
         return None, problems
     if not by_model:

@@ -27,7 +27,7 @@ Guarantees:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import attrs
 import trio
@@ -73,7 +73,7 @@ from guard_core.traffic import (
     RefusedAfterAdmission,
 )
 
-__all__ = ("AdmissionResult", "Attempt", "GuardEngine", "RequestListener", "Slot")
+__all__ = ("AdmissionResult", "Attempt", "GuardEngine", "PoolEngines", "RequestListener", "Slot")
 
 #: Told every request event the engine applied, in order (the recorder's ``event``).
 RequestListener = Callable[[RequestEvent], None]
@@ -149,13 +149,18 @@ class GuardEngine:
         *,
         on_event: RequestListener | None = None,
         clock: Callable[[], float] = trio.current_time,
+        ids: Iterator[int] | None = None,
+        name: str = "",
     ) -> None:
         self.now = clock
         self.on_event = on_event
         self._origin = clock()
         self.state = GuardState.initial(config, at=0.0)
         self._wake = trio.Event()
-        self._ids = itertools.count(1)
+        #: Request ids; the engines of several pools share one count, so ids stay unique.
+        self._ids = ids if ids is not None else itertools.count(1)
+        #: The pool it admits for ("" for PIG's single pool).
+        self.name = name
 
     # -- time: the core sees seconds since the engine started ------------------------------------
 
@@ -323,3 +328,29 @@ class GuardEngine:
 
     def probe_abandoned(self, backend: str) -> None:
         self.state = apply_health_event(self.state, ProbeAbandoned(self._at(), backend))
+
+
+class PoolEngines:
+    """The engine of each pool (``PIG_POOLS``): which one admits a model's requests and which
+    one a backend's traffic and health are told to. Without pools there is one engine for
+    every backend and every request, PIG's single pool."""
+
+    def __init__(
+        self,
+        default: GuardEngine,
+        *,
+        by_backend: Mapping[str, GuardEngine] | None = None,
+        by_model: Mapping[str, GuardEngine] | None = None,
+    ) -> None:
+        self.default = default
+        self._by_backend = dict(by_backend or {})
+        self._by_model = dict(by_model or {})
+        seen = [default, *self._by_backend.values()]
+        #: Every engine once, the default (first pool's) first.
+        self.engines: tuple[GuardEngine, ...] = tuple(dict.fromkeys(seen))
+
+    def of_backend(self, name: str) -> GuardEngine:
+        return self._by_backend.get(name, self.default)
+
+    def of_model(self, model: str | None) -> GuardEngine:
+        return self.default if model is None else self._by_model.get(model, self.default)

@@ -16,6 +16,8 @@ Guarantees:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from guard_core.health import Failure
 from guard_trio._engine import GuardEngine
 from guard_trio._upstream import UpstreamConnection, UpstreamError
@@ -34,8 +36,9 @@ class EngineRefused(Exception):
 class BackendHealthReports:
     """Tells the engine what each backend did (see the module rules)."""
 
-    def __init__(self, engine: GuardEngine, *, backends: int) -> None:
-        self.engine = engine
+    def __init__(self, engine_of: Callable[[str], GuardEngine], *, backends: int) -> None:
+        #: The engine a backend's health is told to (its pool's).
+        self.engine_of = engine_of
         #: Health is told, and acted on, only with several backends.
         self.on = backends > 1
 
@@ -44,30 +47,30 @@ class BackendHealthReports:
         if not self.on:
             return
         if status in ENGINE_REFUSALS:
-            self.engine.backend_full(name)
+            self.engine_of(name).backend_full(name)
         elif status >= 500:
-            self.engine.backend_failed(name, Failure.SERVER_ERROR)
+            self.engine_of(name).backend_failed(name, Failure.SERVER_ERROR)
         else:
-            self.engine.backend_succeeded(name)
+            self.engine_of(name).backend_succeeded(name)
 
     def refuses(self, name: str, status: int, *, can_respond: bool) -> bool:
         """The engine refused the request unstarted and the client has seen nothing yet: the
         backend is marked full and the relay goes on elsewhere or answers its own 429."""
         if not (self.on and can_respond and status in ENGINE_REFUSALS):
             return False
-        self.engine.backend_full(name)
+        self.engine_of(name).backend_full(name)
         return True
 
     def stalled(self, name: str) -> None:
         """No response head within the head timeout."""
         if self.on:
-            self.engine.backend_failed(name, Failure.STALLED_HEAD)
+            self.engine_of(name).backend_failed(name, Failure.STALLED_HEAD)
 
     def failed(self, name: str, up: UpstreamConnection | None) -> None:
         """The exchange broke (``up``: its connection, ``None`` when the connect failed)."""
         if not self.on or (up is not None and up.head_seen):
             return  # the head already said how the backend is; a cut body is not a verdict
-        self.engine.backend_failed(name, Failure.CONNECT if up is None else Failure.RESET)
+        self.engine_of(name).backend_failed(name, Failure.CONNECT if up is None else Failure.RESET)
 
     def go_on(
         self,
@@ -89,6 +92,6 @@ class BackendHealthReports:
         """The request that was ``name``'s probe ended: hand the probe back if no verdict came."""
         if up is not None and up.head_seen:
             return
-        health = self.engine.state.health.of(name)
+        health = self.engine_of(name).state.health.of(name)
         if health is not None and health.probing:
-            self.engine.probe_abandoned(name)
+            self.engine_of(name).probe_abandoned(name)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
-from guard_core.gate import MAX_SHORT_WAIT_S, failing_open
+from guard_core.gate import MAX_SHORT_WAIT_S, current_limit, failing_open
+from guard_core.guard import GuardState
 from guard_core.health import BackendHealth, availability
 from guard_core.lanes import Lane, Thresholds
 from guard_core.tier import basic_limit, premium_reserved
@@ -33,6 +34,7 @@ __all__ = (
     "CLASSIFIER_ROWS",
     "HEALTH_ROWS",
     "LANE_ROWS",
+    "POOL_ROWS",
     "PRIORITY_ROWS",
     "RUNTIME_ROWS",
 )
@@ -188,7 +190,7 @@ BACKEND_ROWS: Final[tuple[Row, ...]] = (
     info("pig_backend_info", "A configured backend.", "name,upstream",
          lambda s: tuple({"name": b.name, "upstream": b.upstream} for b in s.backends)),
     gauge("pig_backend_inflight", "Requests in flight to it.",
-          _per_backend(lambda s, b: s.state.traffic.inflight_of(b.name)), "name"),
+          _per_backend(lambda s, b: s.of(b.name).traffic.inflight_of(b.name)), "name"),
     counter("pig_backend_requests_total",
             "Requests sent to it (accepted) and failed metrics polls (failed).",
             _backend_requests, "decision,name"),
@@ -224,7 +226,7 @@ BACKEND_ROWS: Final[tuple[Row, ...]] = (
 
 
 def _health_of(s: Scrape, b: BackendMetrics) -> BackendHealth:
-    return s.state.health.of(b.name) or BackendHealth(name=b.name)
+    return s.of(b.name).health.of(b.name) or BackendHealth(name=b.name)
 
 
 _HEALTH: Final = "inference_guard_backend_"
@@ -372,4 +374,29 @@ LANE_ROWS: Final[tuple[Row, ...]] = (
           lambda s: len(s.state.traffic.adaptive.samples)),
     gauge("pig_effective_output_threshold_tokens", "Output-lane thresholds in force.",
           lambda s: _thresholds(_OUTPUT_LANES, _effective_output(s)), "lane"),
+)  # fmt: skip
+
+
+def _per_pool(value: Callable[[GuardState], float]) -> Getter:
+    """A getter of one ``{pool}`` sample per pool of ``PIG_POOLS``."""
+
+    def get(s: Scrape) -> Pairs:
+        return [({"pool": name}, value(state)) for name, state in s.m.pool_states()]
+
+    return get
+
+
+_POOL: Final = "inference_guard_pool_"
+
+#: With ``PIG_POOLS``: each pool's own gate (its learned cap, in flight and waiting, by tier).
+POOL_ROWS: Final[tuple[Row, ...]] = (
+    gauge(_POOL + "limit", "The cap the pool's gate enforces now (learned, or GLOBAL_LIMIT).",
+          _per_pool(lambda state: current_limit(state.gate)[0]), "pool"),
+    gauge(_POOL + "inflight", "Admitted requests in flight in the pool.",
+          _per_pool(lambda state: state.gate.inflight), "pool"),
+    gauge(_POOL + "waiting", "Requests waiting for a slot of the pool.",
+          _per_pool(lambda state: state.gate.waiting), "pool"),
+    info(_POOL + "state_info", "The pool's load state (green, yellow, red).", "pool,state",
+         lambda s: tuple({"pool": name, "state": str(state.published.decision.state)}
+                         for name, state in s.m.pool_states())),
 )  # fmt: skip

@@ -161,11 +161,15 @@ class Scrape:
         self.updated = int(metrics.wall_clock() - (now - self.decision.at))
         self.backends = tuple(metrics.backends.values())
 
+    def of(self, backend: str) -> GuardState:
+        """The state of the pool ``backend`` belongs to (the one state without pools)."""
+        return self.m.state_of_backend(backend) if self.m.pooled else self.state
+
     def figures(self, backend: BackendMetrics) -> BackendFigures:
         """The backend's latest poll figures (zeros outside routing and before its first)."""
         if not self.routing:
             return _NOT_POLLED
-        return self.published.backend(backend.name) or _NOT_POLLED
+        return self.of(backend.name).published.backend(backend.name) or _NOT_POLLED
 
     def latency(self, backend: BackendMetrics, quantity: str) -> float:
         summary = self.figures(backend).ttft

@@ -63,6 +63,7 @@ from guard_trio._metrics_rows import (
     CLASSIFIER_ROWS,
     HEALTH_ROWS,
     LANE_ROWS,
+    POOL_ROWS,
     PRIORITY_ROWS,
     RUNTIME_ROWS,
 )
@@ -89,6 +90,7 @@ SECTIONS: Final[tuple[Section[Scrape], ...]] = (
     Section("runtime", RUNTIME_ROWS),
     Section("backends", BACKEND_ROWS),
     Section("health", HEALTH_ROWS, lambda s: len(s.settings.backends) > 1 or s.settings.fail_open),
+    Section("pools", POOL_ROWS, lambda s: s.m.pooled),
     Section("dynamic", DYNAMIC_ROWS, lambda s: s.settings.dynamic_enabled),
     Section("predictive", PREDICTIVE_ROWS, lambda s: s.state.predictive is not None),
     Section("classifier", CLASSIFIER_ROWS),
@@ -134,6 +136,11 @@ class GuardMetrics:
     priority_rewrite_duration: EventHistogram
     lanes: dict[Lane, LaneMetrics]
     predictive_refusals: dict[Binding, EventCounter]
+    #: ``PIG_POOLS``: whether there are pools, each pool's name and state, and the state of
+    #: the pool a backend belongs to.
+    pooled: bool
+    pool_states: Callable[[], tuple[tuple[str, GuardState], ...]]
+    state_of_backend: Callable[[str], GuardState]
 
     def __init__(
         self,
@@ -204,6 +211,13 @@ class GuardMetrics:
         self.lanes = {lane: LaneMetrics(lane) for lane in Lane}
         # the predictive learner: 429s by the constraint that refused them
         self.predictive_refusals = {binding: EventCounter() for binding in Binding}
+
+        # With ``PIG_POOLS`` the server sets these; the PIG families describe the first pool.
+        self.pooled, self.pool_states, self.state_of_backend = (
+            False,
+            lambda: (),
+            lambda _name: state_provider(),
+        )
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))

@@ -83,7 +83,7 @@ from guard_trio._downstream import (
     Downstream,
     whole_response_bytes,
 )
-from guard_trio._engine import AdmissionResult, Attempt, GuardEngine
+from guard_trio._engine import AdmissionResult, Attempt, GuardEngine, PoolEngines
 from guard_trio._observability import GuardMetrics
 from guard_trio._own_routes import answer_own
 from guard_trio._relay import Relay
@@ -118,11 +118,14 @@ class ProxyApp:
         metrics: GuardMetrics,
         local_metrics: Callable[[], bytes] = lambda: b"",
         metrics_content_type: bytes = b"text/plain; version=0.0.4; charset=utf-8",
+        pools: PoolEngines | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.body_thresholds = settings.lane_thresholds.body
+        #: The first pool's engine (PIG's only one); ``pools`` has each pool's.
         self.engine = engine
+        self.pools = pools or PoolEngines(engine)
         self.pool = pool
         self.local_metrics = local_metrics
         self.metrics_content_type = metrics_content_type
@@ -339,6 +342,8 @@ class ProxyApp:
         # A short body costs nothing to read (a refusal drops it anyway and keeps the
         # connection); a long one, or one the classifier would parse, is worth a peek first.
         worth_a_peek = length is None or length > EARLY_DRAIN_BYTES or self.classify
+        if self.model_pools is not None and length is not None and length <= _BUFFER_LIMIT:
+            worth_a_peek = False  # the body's model says which pool's gate to ask
         if begun is None and worth_a_peek and self.refused_at_once(tier, length):
             # Decided from the head alone: the body is neither read nor parsed for a 429.
             await self.refuse_early(down, tier, path=path, length=length)
@@ -352,6 +357,7 @@ class ProxyApp:
         ):
             body, _complete = await self.read_body(down, _BUFFER_LIMIT)
         allowed: tuple[str, ...] | None = None
+        engine = self.engine
         if self.model_pools is not None and body is not None:
             model = request_model(b"".join(body))
             if model is not None:
@@ -359,6 +365,7 @@ class ProxyApp:
                 if allowed is None:  # a client error, answered before any slot is asked for
                     await down.respond(404, [_JSON], model_not_found_body(model))
                     return
+                engine = self.pools.of_model(model)
         output_tokens = self.output_intent(lane, length, body)
         if output_tokens is not None:
             lane = combine_lanes(lane, output_lane(output_tokens, self.current_output_thresholds()))
@@ -371,11 +378,11 @@ class ProxyApp:
                 # a closed client cancels everything: the wait, the upstream exchange.
                 nursery.start_soon(down.watch_for_disconnect, client_scope)
                 if begun is None:
-                    begun = self.engine.begin(
+                    begun = engine.begin(
                         tier, path=path, body_bytes=length, trace_id=notes.trace_id
                     )
                 notes.request_id = begun.request_id
-                result = await self.engine.settle(begun)
+                result = await engine.settle(begun)
                 self.note_decision(notes, result, started)
                 if result.slot is not None:
                     notes.admission = Admission.ADMITTED
@@ -493,7 +500,7 @@ class ProxyApp:
                 return
             if rewritten is _REFUSE:
                 notes.code = RejectCode.BACKEND_PRIORITY_INJECTION
-                self.engine.refused_after_admission(slot.tier)
+                slot.engine.refused_after_admission(slot.tier)
                 await down.skip_body()
                 await self.too_many_requests(down)
                 status = 429

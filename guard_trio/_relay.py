@@ -51,7 +51,7 @@ from guard_core.pool_routing import candidates, route
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
 from guard_trio._copy import KEEPALIVE_COMMENT, copy_body, copy_chunked, send_head
 from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
-from guard_trio._engine import Slot
+from guard_trio._engine import GuardEngine, Slot
 from guard_trio._health import BackendHealthReports, EngineRefused
 from guard_trio._upstream import (
     IdleGuard,
@@ -87,6 +87,8 @@ class Relay:
         self.settings = settings = app.settings
         self.metrics = app.metrics
         self.engine = app.engine
+        #: The engine of each backend's pool (one for all without ``PIG_POOLS``).
+        self.pools = app.pools
         self.pool = app.pool
         env = settings.env
         self.targets = tuple(UpstreamTarget.from_url(b.name, b.upstream) for b in settings.backends)
@@ -98,16 +100,18 @@ class Relay:
         self.sse_early_bridge: bool = env.sse_early_bridge_enabled
         self.upstream_head_timeout_s = budget(env.pig_upstream_head_timeout_seconds)
         self.upstream_idle_timeout_s = budget(env.pig_upstream_idle_timeout_seconds)
-        self.health = BackendHealthReports(self.engine, backends=len(self.targets))
+        self.health = BackendHealthReports(self.pools.of_backend, backends=len(self.targets))
         #: ``PIG_ROUTING=guard``: the affinity ring of the backends, built once.
         self.ring = build_ring(self.target_names) if settings.guard_routing else None
         self.affinity_header = env.pig_affinity_header.strip().lower().encode()
         self.affinity_bound = float(env.pig_affinity_bound)
         self.affinity_prefix_bytes = int(env.pig_affinity_prefix_bytes)
 
-    def low_load(self) -> bool:
-        """PIG's gate for SSE keep-alive and the early bridge: quiet backend, empty queue."""
-        return low_load(self.engine.state.gate, dynamic=self.settings.dynamic_enabled)
+    def low_load(self, slot: Slot | None = None) -> bool:
+        """PIG's gate for SSE keep-alive and the early bridge: quiet backend, empty queue (of
+        the pool the slot was taken in)."""
+        engine = self.engine if slot is None else slot.engine
+        return low_load(engine.state.gate, dynamic=self.settings.dynamic_enabled)
 
     def affinity_key(
         self, headers: list[tuple[bytes, bytes]], body: list[bytes] | None
@@ -132,6 +136,7 @@ class Relay:
         *,
         key: int | None = None,
         body_bytes: int | None = None,
+        engine: GuardEngine | None = None,
     ) -> tuple[int, bool] | None:
         """The backend to send to, and whether the request is its half-open probe (told to the
         core); ``tried``: backends it already went to (``None``: no other one takes work).
@@ -139,9 +144,10 @@ class Relay:
         key); PIG's backend choice otherwise, and whenever the router finds no backend."""
         if len(self.targets) == 1:
             return None if tried else (0, False)
-        state = self.engine.state
+        engine = engine or self.engine  # the pool's, whose backends the choice is among
+        state = engine.state
         policy = state.config.policy
-        now = self.engine.seconds_since_start()
+        now = engine.seconds_since_start()
         views = backend_views(self.target_names, state.published, state.traffic, state.health)
         chosen: int | None = None
         if self.ring is not None:
@@ -170,7 +176,7 @@ class Relay:
             return None
         probe = is_probe(views[chosen], now=now)
         if probe:
-            self.engine.probe_sent(self.target_names[chosen])
+            engine.probe_sent(self.target_names[chosen])
         return chosen, probe
 
     async def forward(  # noqa: PLR0915 - one request's attempts, read top to bottom
@@ -198,7 +204,8 @@ class Relay:
             for i, name in enumerate(self.target_names)
             if allowed is not None and name not in allowed
         )
-        picked = self.pick_backend(outside, key=key, body_bytes=body_length)
+        engine = self.engine if slot is None else slot.engine
+        picked = self.pick_backend(outside, key=key, body_bytes=body_length, engine=engine)
         assert picked is not None
         index, probe = picked
         if rewriter is not None:
@@ -223,7 +230,7 @@ class Relay:
             and body_length is not None
             and body_length < _BRIDGE_SAFE_BODY
             and is_streaming_request(first_header(headers, b"accept"), b"".join(body))
-            and self.low_load()
+            and self.low_load(slot)
         )
         # A request whose body we hold (or that has none) can be sent again when a kept-alive
         # connection fails before the request was fully written. Once it was written, only an
@@ -276,12 +283,12 @@ class Relay:
                         again = None
                         if self.health.go_on(exc, target.name, up, down.can_respond, replayable):
                             again = self.pick_backend(
-                                frozenset(tried), key=key, body_bytes=body_length
+                                frozenset(tried), key=key, body_bytes=body_length, engine=engine
                             )
                         if again is None:
                             probe = False  # its verdict is told
                             return await self.upstream_failed(down, refused=refused)
-                        self.engine.finished(target.name)
+                        self.pools.of_backend(target.name).finished(target.name)
                         (index, probe), fresh = again, False
                         tried.add(index)
                         target = self.send_to(index, notes)
@@ -297,7 +304,7 @@ class Relay:
         finally:
             if probe:
                 self.health.probe_ended(target.name, up)
-            self.engine.finished(target.name)
+            self.pools.of_backend(target.name).finished(target.name)
             notes.proxy_s = trio.current_time() - proxy_started
         return status
 
@@ -305,7 +312,7 @@ class Relay:
         """The request goes to backend ``index`` now: noted, counted, told to the core."""
         target = self.targets[index]
         notes.backend = target.name
-        self.engine.forwarded(target.name)
+        self.pools.of_backend(target.name).forwarded(target.name)
         self.backend_metrics[index].accepted.inc()  # a moment, not an outcome: counted now
         return target
 
@@ -399,7 +406,7 @@ class Relay:
             status,
             received,
             classify_errors=self.classify_errors,
-            keepalive_allowed=self.sse_keepalive and self.low_load(),
+            keepalive_allowed=self.sse_keepalive and self.low_load(slot),
             reclassifiable=is_candidate(
                 status,
                 first_header(received, b"content-type") or b"",

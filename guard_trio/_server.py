@@ -20,8 +20,9 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import attrs
@@ -32,6 +33,7 @@ from guard_adapters.config import Settings
 from guard_adapters.exchange import openai_error
 from guard_adapters.outcome import ExchangeNotes
 from guard_adapters.status_line import runtime_counts, startup_line, status_line
+from guard_core import GuardConfig
 from guard_trio import __version__
 from guard_trio._downstream import (
     BodyLimits,
@@ -41,7 +43,7 @@ from guard_trio._downstream import (
     RefusedRequest,
     ResponseAborted,
 )
-from guard_trio._engine import Attempt, GuardEngine, RequestListener
+from guard_trio._engine import Attempt, GuardEngine, PoolEngines, RequestListener
 from guard_trio._observability import CONTENT_TYPE, GuardMetrics
 from guard_trio._poller import MetricsSource, Poller, PollReport
 from guard_trio._proxy import ProxyApp
@@ -79,7 +81,9 @@ class GuardServer:
         self.settings = settings
         # The adaptive output lanes' samples are core state; their settings join the core's.
         config = attrs.evolve(settings.guard_config(), adaptive_output=settings.adaptive_output)
-        self.engine = GuardEngine(config, on_event=on_event)
+        ids = itertools.count(1)  # request ids, unique across the pools' engines
+        self.engine = GuardEngine(config, on_event=on_event, ids=ids)
+        self.pools = _pool_engines(settings, self.engine, config, on_event, ids)
         self.pool = UpstreamPool()
         self.metrics = GuardMetrics(
             settings,
@@ -87,6 +91,11 @@ class GuardServer:
             version=__version__,
             clock=self.engine.seconds_since_start,
         )
+        if settings.model_pools is not None:
+            pools = self.pools
+            self.metrics.pooled = True
+            self.metrics.pool_states = lambda: tuple((e.name, e.state) for e in pools.engines)
+            self.metrics.state_of_backend = lambda name: pools.of_backend(name).state
         self.app = ProxyApp(
             settings,
             self.engine,
@@ -94,6 +103,7 @@ class GuardServer:
             metrics=self.metrics,
             local_metrics=local_metrics or self.metrics.exposition,
             metrics_content_type=CONTENT_TYPE.encode(),
+            pools=self.pools,
         )
         env = settings.env
         self.header_timeout_s = (
@@ -117,12 +127,21 @@ class GuardServer:
                 MetricsSource(name=f"metrics{i}", url=url)
                 for i, url in enumerate(settings.metrics_urls, start=1)
             )
-        self.poller = Poller(
-            self.engine,
-            sources,
-            interval_s=settings.env.dynamic_poll_interval_ms / 1000,
-            on_round=on_poll,
-        )
+        interval_s = settings.env.dynamic_poll_interval_ms / 1000
+        # Each pool's engine learns from its own backends' pages; the first pool's poller is
+        # the one the recorder, the metrics page and the admin plane follow.
+        self.pollers = [
+            Poller(
+                engine,
+                tuple(s for s in sources if self.pools.of_backend(s.name) is engine)
+                if len(self.pools.engines) > 1
+                else sources,
+                interval_s=interval_s,
+                on_round=on_poll if engine is self.engine else None,
+            )
+            for engine in self.pools.engines
+        ]
+        self.poller = self.pollers[0]
         self.poller.on_round.append(self._account_poll)
         self._accepting = trio.CancelScope()
         self._listeners: list[trio.SocketListener] = []
@@ -301,8 +320,9 @@ class GuardServer:
 
     async def _serve(self, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
         async with trio.open_nursery() as nursery:
-            if self.settings.dynamic_enabled and self.poller.sources:
-                await nursery.start(self.poller.run)
+            for poller in self.pollers:
+                if self.settings.dynamic_enabled and poller.sources:
+                    await nursery.start(poller.run)
             host = self.settings.listen_host or None
             self._listeners = await trio.open_tcp_listeners(self.settings.listen_port, host=host)
             bound = self._listeners[0].socket.getsockname()
@@ -371,3 +391,27 @@ def _health_url(upstream: str) -> str:
     """The engine's health route: ``/health`` at the root of the backend's host (vLLM, SGLang)."""
     parts = urlsplit(upstream)
     return f"{parts.scheme}://{parts.netloc}/health"
+
+
+def _pool_engines(
+    settings: Settings,
+    first: GuardEngine,
+    config: GuardConfig,
+    on_event: RequestListener | None,
+    ids: Iterator[int],
+) -> PoolEngines:
+    """One engine per pool of ``PIG_POOLS`` (its own learned cap and tier accounting), the
+    first pool's being ``first``; without pools, ``first`` alone, for every backend."""
+    pools = settings.model_pools
+    if pools is None:
+        return PoolEngines(first)
+    by_backend: dict[str, GuardEngine] = {}
+    by_pool: dict[str, GuardEngine] = {}
+    for index, (name, backends) in enumerate(pools.pools()):
+        engine = first if index == 0 else GuardEngine(config, on_event=on_event, ids=ids)
+        engine.name = name
+        by_pool[name] = engine
+        for backend in backends:
+            by_backend[backend] = engine
+    by_model = {model: by_pool[pools.pool_of(model) or ""] for model in pools.models}
+    return PoolEngines(first, by_backend=by_backend, by_model=by_model)

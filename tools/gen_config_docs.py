@@ -113,10 +113,14 @@ model. The top-level `model` of a request's JSON body picks the backends that se
 backend choice (either routing) runs among those alone. A model no entry names gets OpenAI's
 404 `model_not_found` from the guard before any slot is asked for. A body that names no model
 is not routed by model. `GET /v1/models` is answered by the guard with every configured model.
-Requests on a kept-alive connection then take the full path, since the model is read before
-the admission, and the learned cap is still the guard's one cap over all backends: a cap per
-pool is not built yet. A body the guard streams rather than holds (over 2 MiB, or chunked) is
-not routed by model.
+Models listing the same backends share a pool; two lists that overlap without being equal are
+refused. Each pool has its own engine: its own learned cap (or `GLOBAL_LIMIT` each, in static
+mode), tier accounting and short wait, learned from its own backends' metrics pages. The PIG
+families of `/pig/metrics`, the status line, the recording and the admin plane describe the
+first pool; `inference_guard_pool_*{pool}` gives every pool's limit, in-flight, waiting and
+state. Requests on a kept-alive connection take the full path, since the model is read before
+the admission. A body the guard streams rather than holds (over 2 MiB, or chunked) is not routed
+by model and goes to the first pool.
 """,
 }
 

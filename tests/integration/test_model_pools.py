@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import trio
 
 from guard_adapters.config import ConfigError, load_config
 
@@ -110,3 +111,45 @@ def test_a_bad_pools_setting_is_refused_with_its_reason(pools: str, words: str) 
         )
     assert "PIG_POOLS" in str(refused.value)
     assert words in str(refused.value)
+
+
+async def test_each_pool_has_its_own_cap_and_learns_from_its_own_backends(
+    start_sim: Any, start_guard: Any, http: Any, until: Any
+) -> None:
+    alpha, _ = await start_sim(model="alpha", speed=1.0)
+    beta, _ = await start_sim(model="beta", speed=1.0)
+    guard, server = await start_guard(
+        {
+            "BACKENDS": f"b0={alpha}|{alpha}/metrics,b1={beta}|{beta}/metrics",
+            "PIG_POOLS": "alpha=b0;beta=b1",
+            "DYNAMIC_PIG_ENABLED": "true",
+            "DYNAMIC_PIG_ENFORCE": "false",  # learn, but keep GLOBAL_LIMIT as each pool's cap
+            "DYNAMIC_POLL_INTERVAL_MS": "100",
+            "GLOBAL_LIMIT": "2",
+            "PIG_QUEUE_WAIT_SECONDS": "0",
+        }
+    )
+    first, second = server.pools.engines
+    assert (first.name, second.name) == ("alpha", "beta")
+    # Each pool's engine polls its own backends only.
+    await until(lambda: all(e.state.published.backends for e in server.pools.engines))
+    assert [b.name for b in first.state.published.backends] == ["b0"]
+    assert [b.name for b in second.state.published.backends] == ["b1"]
+
+    premium = [("X-User-Tier", "premium")]
+    stream = {"stream": True, "max_tokens": 400}
+    held = json.dumps({"model": "alpha", "messages": [{"role": "user", "content": "x"}], **stream})
+    async with trio.open_nursery() as holders:
+        for _ in range(2):  # alpha's two slots
+            holders.start_soon(http.request, guard, "POST", CHAT, premium, held.encode())
+        await until(lambda: first.state.gate.inflight == 2)
+        # alpha is full; beta, another pool with its own cap, is not.
+        assert (await http.request(guard, "POST", CHAT, premium, body("alpha"))).status == 429
+        assert (await http.request(guard, "POST", CHAT, premium, body("beta"))).status == 200
+        assert second.state.gate.inflight == 0
+        page = server.metrics.exposition().decode()  # /pig/metrics' bytes (it wants a TOKEN)
+        assert 'inference_guard_pool_inflight{pool="alpha"} 2.0' in page
+        assert 'inference_guard_pool_inflight{pool="beta"} 0.0' in page
+        assert 'inference_guard_pool_limit{pool="beta"} 2.0' in page
+        holders.cancel_scope.cancel()
+    await until(lambda: first.state.gate.inflight == 0)

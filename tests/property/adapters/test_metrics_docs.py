@@ -46,6 +46,10 @@ def _page(env: dict[str, str], *samples: BackendSample | None) -> str:
         polls = (BackendPoll(name="metrics1", sample=sample, error="refused"),)
         state = apply_guard_event(state, MetricsPolled(float(at), polls)).state
     metrics = GuardMetrics(settings, lambda: state, version="docs", clock=lambda: 1.0)
+    pools = settings.model_pools
+    if pools is not None:  # as the server sets it: the pools, one state each
+        metrics.pooled = True
+        metrics.pool_states = lambda: tuple((name, state) for name in pools.models)
     return metrics.exposition().decode()
 
 
@@ -61,6 +65,7 @@ def test_the_table_says_what_the_page_serves() -> None:
         _page(env, good, None),
         _page({"UPSTREAM": "http://b:8000"}),
         _page({"UPSTREAMS": "http://a:8000,http://b:8000", "PIG_FAILURE_MODE": "open"}),
+        _page({"BACKENDS": "a=http://a:8000,b=http://b:8000", "PIG_POOLS": "m1=a;m2=b"}),
     )
     for page in pages:
         order = []
