@@ -286,6 +286,22 @@ class Downstream:
                 raise BodyRefused(413, "request body over the cap")
         return event
 
+    async def read_body(self, limit: int) -> tuple[list[bytes], bool]:
+        """Read the body until more than ``limit`` bytes (or its end) came, under the body
+        limits; returns (chunks, complete)."""
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            event = await self.body_event()
+            if isinstance(event, h11.Data):
+                chunks.append(bytes(event.data))
+                size += len(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return chunks, True
+            elif isinstance(event, h11.ConnectionClosed):
+                raise ClientGone("client closed while sending its body")
+        return chunks, False
+
     async def skip_body(self) -> None:
         """The body is not wanted: read and drop it when it is short (declared at most
         :data:`EARLY_DRAIN_BYTES`, and no ``100 Continue`` awaited); otherwise leave it unread

@@ -79,7 +79,6 @@ from guard_core.lanes import (
 from guard_trio._attestation import AttestationHandler
 from guard_trio._downstream import (
     EARLY_DRAIN_BYTES,
-    ClientGone,
     Downstream,
     whole_response_bytes,
 )
@@ -95,6 +94,8 @@ __all__ = ("TOO_MANY_REQUESTS_BODY", "ProxyApp")
 _JSON = (b"content-type", b"application/json")
 _TEXT = (b"content-type", b"text/plain; charset=utf-8")
 _BUFFER_LIMIT = 2 * 1024 * 1024
+#: With ``PIG_POOLS``, how much of a body too long to hold is read for its model.
+_LEAD_BYTES = 64 * 1024
 #: ``rewrite_body``'s answer when the request must be refused (fail-closed injection).
 _REFUSE = object()
 #: ``rewrite_body``'s answer for a JSON body in UTF-16 or UTF-32: the backend would read it,
@@ -310,18 +311,7 @@ class ProxyApp:
 
     async def read_body(self, down: Downstream, limit: int) -> tuple[list[bytes], bool]:
         """Read up to ``limit`` bytes of body; returns (chunks, complete)."""
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            event = await down.body_event()  # under PIG_MAX_BODY_BYTES and the body timeouts
-            if isinstance(event, h11.Data):
-                chunks.append(bytes(event.data))
-                size += len(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return chunks, True
-            elif isinstance(event, h11.ConnectionClosed):
-                raise ClientGone("client closed while sending its body")
-        return chunks, False
+        return await down.read_body(limit)
 
     # -- QoS -----------------------------------------------------------------------------------
 
@@ -342,7 +332,7 @@ class ProxyApp:
         # A short body costs nothing to read (a refusal drops it anyway and keeps the
         # connection); a long one, or one the classifier would parse, is worth a peek first.
         worth_a_peek = length is None or length > EARLY_DRAIN_BYTES or self.classify
-        if self.model_pools is not None and length is not None and length <= _BUFFER_LIMIT:
+        if self.model_pools is not None:
             worth_a_peek = False  # the body's model says which pool's gate to ask
         if begun is None and worth_a_peek and self.refused_at_once(tier, length):
             # Decided from the head alone: the body is neither read nor parsed for a 429.
@@ -357,15 +347,12 @@ class ProxyApp:
         ):
             body, _complete = await self.read_body(down, _BUFFER_LIMIT)
         allowed: tuple[str, ...] | None = None
-        engine = self.engine
-        if self.model_pools is not None and body is not None:
-            model = request_model(b"".join(body))
-            if model is not None:
-                allowed = self.model_pools.backends_for(model)
-                if allowed is None:  # a client error, answered before any slot is asked for
-                    await down.respond(404, [_JSON], model_not_found_body(model))
-                    return
-                engine = self.pools.of_model(model)
+        engine, lead = self.engine, None
+        if self.model_pools is not None:
+            chosen = await self.choose_pool(down, body)
+            if chosen is None:
+                return  # an unknown model: answered 404 before any slot was asked for
+            body, lead, allowed, engine = chosen
         output_tokens = self.output_intent(lane, length, body)
         if output_tokens is not None:
             lane = combine_lanes(lane, output_lane(output_tokens, self.current_output_thresholds()))
@@ -396,6 +383,7 @@ class ProxyApp:
                         started=started,
                         output_tokens=output_tokens,
                         allowed=allowed,
+                        lead=lead,
                     )
                     self.end_exchange(down)  # before the watcher's cancellation yields
                 nursery.cancel_scope.cancel()
@@ -410,6 +398,26 @@ class ProxyApp:
             )
             await down.skip_body()
             await self.too_many_requests(down, result.retry_after_s)
+
+    async def choose_pool(
+        self, down: Downstream, body: list[bytes] | None
+    ) -> tuple[list[bytes] | None, list[bytes] | None, tuple[str, ...] | None, GuardEngine] | None:
+        """``PIG_POOLS``: the body (or, for one too long to hold, its first bytes, which go
+        upstream first), the backends of its model and its pool's engine; None when no pool
+        serves its model (the 404 is sent)."""
+        assert self.model_pools is not None
+        lead = None
+        if body is None:
+            lead, complete = await self.read_body(down, _LEAD_BYTES)
+            body, lead = (lead, None) if complete else (None, lead)
+        model = request_model(b"".join(body if body is not None else lead or ()))
+        if model is None:
+            return body, lead, None, self.engine
+        allowed = self.model_pools.backends_for(model)
+        if allowed is None:
+            await down.respond(404, [_JSON], model_not_found_body(model))
+            return None
+        return body, lead, allowed, self.pools.of_model(model)
 
     def refused_at_once(self, tier: Tier, length: int | None) -> bool:
         """The gate would refuse a slot request now, with no wait: a pure peek at the engine's
@@ -459,6 +467,7 @@ class ProxyApp:
         started: float,
         output_tokens: int | None,
         allowed: tuple[str, ...] | None = None,
+        lead: list[bytes] | None = None,
     ) -> None:
         """Forward an admitted request (to one of the ``allowed`` backends, when its model
         names them); account for it and release its slot on every path."""
@@ -488,7 +497,7 @@ class ProxyApp:
                 self.rewrites_in_flight += 1
                 metrics.priority_rewrite_inflight.inc()
             try:
-                rewritten = await self.rewrite_body(down, plan, body, content_length(headers))
+                rewritten = await self.rewrite_body(down, plan, body, content_length(headers), lead)
             finally:
                 if plan.uses_slot:
                     self.rewrites_in_flight -= 1
@@ -516,6 +525,7 @@ class ProxyApp:
                 rewriter=rewritten if isinstance(rewritten, StreamingRewriter) else None,
                 output_tokens=output_tokens,
                 allowed=allowed,
+                lead=None if isinstance(rewritten, list) else lead,  # a rewrite holds it all
             )
         finally:
             slot.release(status)
@@ -547,7 +557,12 @@ class ProxyApp:
         )
 
     async def rewrite_body(
-        self, down: Downstream, plan: Plan, body: list[bytes] | None, length: int | None
+        self,
+        down: Downstream,
+        plan: Plan,
+        body: list[bytes] | None,
+        length: int | None,
+        lead: list[bytes] | None = None,
     ) -> list[bytes] | StreamingRewriter | object | None:
         """Spec 6.3: the body to send (rewritten chunks), a streaming rewriter, ``None`` to send
         the body unchanged, or :data:`_REFUSE` for a 429."""
@@ -559,7 +574,8 @@ class ProxyApp:
             return StreamingRewriter(plan)
         if body is None:  # a strict-mode plan buffers bodies larger than the usual 2 MiB
             assert length is not None
-            body, _complete = await self.read_body(down, length)
+            rest, _complete = await self.read_body(down, length)
+            body = [*(lead or ()), *rest]
         started = trio.current_time()
         joined = as_utf8_json(b"".join(body))
         if joined is None:

@@ -192,6 +192,7 @@ class Relay:
         rewriter: StreamingRewriter | None = None,
         output_tokens: int | None = None,
         allowed: tuple[str, ...] | None = None,
+        lead: list[bytes] | None = None,
     ) -> int:
         """Forward one request and relay the response; returns the status the client got.
         ``allowed``: the backends of the request's model (``PIG_POOLS``); None: any."""
@@ -262,7 +263,7 @@ class Relay:
                                 await up.send(upstream_request, *data, h11.EndOfMessage())
                             else:
                                 await up.send(upstream_request)
-                                await self.send_body(down, up, body, rewriter)
+                                await self.send_body(down, up, body, rewriter, lead)
                             written = True
                             status = await self.relay_response(
                                 down, up, slot, proxy_started, method=request.method, bridge=bridge
@@ -322,15 +323,21 @@ class Relay:
         up: UpstreamConnection,
         body: list[bytes] | None,
         rewriter: StreamingRewriter | None = None,
+        lead: list[bytes] | None = None,
     ) -> None:
-        """The request body upstream: the buffered chunks, or streamed as the client sends it
-        (through the streaming priority rewriter when there is one)."""
+        """The request body upstream: the buffered chunks, or streamed as the client sends it,
+        after its ``lead`` (the part already read) when there is one (through the streaming
+        priority rewriter when there is one)."""
         if body is not None:
             for chunk in body:
                 await up.send(h11.Data(data=chunk))
             await up.send(h11.EndOfMessage())
             return
         try:
+            for chunk in lead or ():
+                data = chunk if rewriter is None else rewriter.feed(chunk)
+                if data:
+                    await up.send(h11.Data(data=data))
             while True:
                 event = await down.body_event()
                 if isinstance(event, h11.Data):

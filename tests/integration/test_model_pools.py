@@ -26,9 +26,11 @@ def accepted(server: Any) -> Counter[str]:
     return Counter({name: int(b.accepted.value) for name, b in server.metrics.backends.items()})
 
 
-async def two_models(start_sim: Any, start_guard: Any, **extra: str) -> tuple[str, Any]:
-    alpha, _ = await start_sim(model="alpha", speed=20.0)
-    beta, _ = await start_sim(model="beta", speed=20.0)
+async def two_models(
+    start_sim: Any, start_guard: Any, *, max_model_len: int = 8192, **extra: str
+) -> tuple[str, Any]:
+    alpha, _ = await start_sim(model="alpha", speed=20.0, max_model_len=max_model_len)
+    beta, _ = await start_sim(model="beta", speed=20.0, max_model_len=max_model_len)
     return await start_guard(
         {
             "BACKENDS": f"b0={alpha},b1={beta}",
@@ -153,3 +155,46 @@ async def test_each_pool_has_its_own_cap_and_learns_from_its_own_backends(
         assert 'inference_guard_pool_limit{pool="beta"} 2.0' in page
         holders.cancel_scope.cancel()
     await until(lambda: first.state.gate.inflight == 0)
+
+
+async def _chunked(guard: str, payload: bytes) -> bytes:
+    """A chunked POST (a body the guard streams rather than holds); the answer's bytes."""
+    host, port = guard.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    half = len(payload) // 2
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (payload[:half], payload[half:]))
+    head = b"POST %s HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n" % CHAT.encode()
+    await stream.send_all(head + b"Connection: close\r\n\r\n" + chunks + b"0\r\n\r\n")
+    answer = b""
+    with trio.fail_after(10):
+        while chunk := await stream.receive_some(65536):
+            answer += chunk
+    await stream.aclose()
+    return answer
+
+
+async def test_a_streamed_body_is_routed_by_the_model_in_its_first_bytes(
+    start_sim: Any, start_guard: Any
+) -> None:
+    guard, server = await two_models(start_sim, start_guard)
+    before = accepted(server)
+    answer = await _chunked(guard, body("beta"))
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert accepted(server) - before == Counter({"b1": 1})
+    assert b'"model_not_found"' in await _chunked(guard, body("gamma"))
+    assert accepted(server) - before == Counter({"b1": 1})
+
+
+async def test_a_long_streamed_body_goes_out_whole_after_its_first_bytes(
+    start_sim: Any, start_guard: Any
+) -> None:
+    guard, server = await two_models(start_sim, start_guard, max_model_len=200_000)
+    words = "ab " * 50_000  # 150 KB of few tokens: longer than the lead read
+    long = json.dumps(
+        {"model": "beta", "messages": [{"role": "user", "content": words}], "max_tokens": 2}
+    ).encode()
+    assert len(long) > 140_000
+    before = accepted(server)
+    answer = await _chunked(guard, long)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert accepted(server) - before == Counter({"b1": 1})
