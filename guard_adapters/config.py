@@ -84,7 +84,7 @@ from cattrs.gen import make_dict_structure_fn, override
 from guard_adapters._errors import ConfigError
 from guard_adapters._rules import Identifier, OneOf
 from guard_adapters._rules import shown as _shown
-from guard_adapters.model_pools import ModelPools, parse_pools
+from guard_adapters.model_pools import DISCOVER, ModelPools, parse_pools
 from guard_adapters.openai_body import (
     DEFAULT_OUTPUT_TOKEN_FIELDS,
     PRIORITY_MODES,
@@ -550,6 +550,11 @@ class Settings:
     def predictive_enabled(self) -> bool:
         """``DYNAMIC_POLICY=predictive``: the predictive learner decides admission."""
         return self.env.dynamic_policy == POLICIES[1]
+
+    @property
+    def discover_pools(self) -> bool:
+        """``PIG_POOLS=discover``: the pools come from each backend's ``/v1/models`` at start."""
+        return self.env.pig_pools.strip().lower() == DISCOVER
 
     @property
     def guard_routing(self) -> bool:

@@ -1,8 +1,9 @@
 """Model routing: which backends serve which model, from ``PIG_POOLS``.
 
 Reads: the text of ``PIG_POOLS`` (``model=backend,backend;model=backend``: each model name, then
-the names of the ``BACKENDS`` that serve it), the configured backend names, and a request's
-body (its top-level ``model``).
+the names of the ``BACKENDS`` that serve it, or ``discover``), each backend's ``/v1/models``
+answer when discovering, the configured backend names, and a request's body (its top-level
+``model``).
 Guarantees:
 - :func:`parse_pools` accepts exactly the documented form: every entry names a model once, at
   least one backend, and only configured backends; anything else is a list of problems, each
@@ -12,6 +13,9 @@ Guarantees:
 - a *pool* is one set of backends: models that name the same set share it, and two sets that
   overlap without being equal are refused (a backend carries one pool's cap, never two);
   :meth:`ModelPools.pools` lists each pool once, named after its first model, in order;
+- :func:`discovered_pools` builds the same pools from what each backend lists: a model goes to
+  every backend listing it; backends whose lists overlap must list the same models (else a
+  problem names them); a backend that listed nothing serves no model;
 - the answers the guard gives itself are OpenAI's shapes: :func:`models_document` is the
   ``/v1/models`` list (the configured models, in order) and :func:`model_not_found_body` the 404
   for a model no pool serves (the name is JSON-escaped, never echoed raw).
@@ -26,8 +30,14 @@ import attrs
 
 from guard_adapters.affinity_key import leading_string
 
+#: ``PIG_POOLS=discover``: the pools come from each backend's ``/v1/models``.
+DISCOVER = "discover"
+
 __all__ = (
+    "DISCOVER",
     "ModelPools",
+    "discovered_pools",
+    "listed_models",
     "model_not_found_body",
     "models_document",
     "parse_pools",
@@ -67,8 +77,8 @@ class ModelPools:
 
 def parse_pools(text: str, backend_names: Sequence[str]) -> tuple[ModelPools | None, list[str]]:
     """``PIG_POOLS`` as pools, or the problems found (see the module rules); empty: no pools."""
-    if not text.strip():
-        return None, []
+    if not text.strip() or text.strip().lower() == DISCOVER:
+        return None, []  # none, or built at start-up from what the backends list
     known = set(backend_names)
     by_model: dict[str, tuple[str, ...]] = {}
     problems: list[str] = []
@@ -110,6 +120,35 @@ def parse_pools(text: str, backend_names: Sequence[str]) -> tuple[ModelPools | N
     if not by_model:
         return None, ["no model=backend entry"]
     return ModelPools(by_model=by_model), []
+
+
+def listed_models(page: bytes) -> list[str]:
+    """The model ids of a ``/v1/models`` answer (OpenAI's list shape); [] for anything else."""
+    try:
+        document = json.loads(page)
+    except ValueError:
+        return []
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list):
+        return []
+    ids = (item.get("id") for item in data if isinstance(item, dict))
+    return list(dict.fromkeys(i for i in ids if isinstance(i, str) and i))
+
+
+def discovered_pools(
+    listings: Mapping[str, Sequence[str]], backend_names: Sequence[str]
+) -> tuple[ModelPools | None, list[str]]:
+    """The pools of what each backend (by name, in ``backend_names`` order) listed."""
+    served: dict[str, list[str]] = {}
+    for backend in backend_names:
+        for model in listings.get(backend, ()):
+            served.setdefault(model, []).append(backend)
+    if not served:
+        return None, ["no backend listed a model on /v1/models"]
+    text = ";".join(f"{model}={','.join(backends)}" for model, backends in served.items())
+    if any(c in model for model in served for c in "=;,"):
+        return None, ["a listed model id holds '=', ';' or ',', which pools cannot name"]
+    return parse_pools(text, backend_names)
 
 
 def request_model(body: bytes | bytearray | memoryview) -> str | None:

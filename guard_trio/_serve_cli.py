@@ -14,6 +14,7 @@ import trio
 
 from guard_adapters.config import ConfigError, Settings, load_config
 from guard_trio import __version__
+from guard_trio._discovery import DiscoveryError, discover_pools
 from guard_trio._recorder import Recorder
 from guard_trio._server import GuardServer
 from guard_trio.admin import serve_admin
@@ -42,6 +43,8 @@ async def serve(
     settings: Settings, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Run the guard until SIGTERM/SIGINT; drain on the first signal, exit at once on a second."""
+    if settings.discover_pools:
+        settings = await discover_pools(settings)  # before listening: pools it could build
     recorder = None
     record_path = settings.env.pig_record_path
     if record_path:
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     _tune_garbage_collector()
     try:
         trio.run(serve, settings)
-    except OSError as error:
+    except (OSError, DiscoveryError) as error:
         sys.stderr.write(f"inference-guard serve: {error}\n")
         return 1
     return 0

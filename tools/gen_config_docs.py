@@ -108,11 +108,16 @@ a prefix then share a backend's prefix cache. A body the guard streams rather th
 no prefix key. The router never picks an ejected or full backend while another can take the
 request. `simulate --routing` measures the router (docs/simulation.md).
 
-`PIG_POOLS` (`model=backend,backend;model=backend`, backend names from `BACKENDS`) routes by
-model. The top-level `model` of a request's JSON body picks the backends that serve it, and the
-backend choice (either routing) runs among those alone. A model no entry names gets OpenAI's
+`PIG_POOLS` (`model=backend,backend;model=backend`, backend names from `BACKENDS`, or
+`discover`) routes by model. With `discover` the guard asks each backend's `/v1/models` at
+start-up, once a second for up to 30 s until every backend has answered, and gives each model
+the backends that listed it; a backend that never answered serves no model, and the guard does
+not start when no backend listed one.
+
+The top-level `model` of a request's JSON body picks the backends that serve it, and the
+backend choice (either routing) runs among those alone. A model no pool serves gets OpenAI's
 404 `model_not_found` from the guard before any slot is asked for. A body that names no model
-is not routed by model. `GET /v1/models` is answered by the guard with every configured model.
+is not routed by model. `GET /v1/models` is answered by the guard with every routed model.
 Models listing the same backends share a pool; two lists that overlap without being equal are
 refused. Each pool has its own engine: its own learned cap (or `GLOBAL_LIMIT` each, in static
 mode), tier accounting and short wait, learned from its own backends' metrics pages. The PIG

@@ -198,3 +198,39 @@ async def test_a_long_streamed_body_goes_out_whole_after_its_first_bytes(
     answer = await _chunked(guard, long)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
     assert accepted(server) - before == Counter({"b1": 1})
+
+
+async def test_discover_builds_the_pools_from_what_each_backend_lists(
+    start_sim: Any, http: Any, nursery: trio.Nursery
+) -> None:
+    from guard_trio._discovery import DiscoveryError, discover_pools
+    from guard_trio._server import GuardServer
+
+    alpha, _ = await start_sim(model="alpha", speed=20.0)
+    beta, _ = await start_sim(model="beta", speed=20.0)
+    again, _ = await start_sim(model="alpha", speed=20.0)
+    env = {
+        "LISTEN": "127.0.0.1:0",
+        "BACKENDS": f"b0={alpha},b1={beta},b2={again}",
+        "PIG_POOLS": "discover",
+        "DYNAMIC_PIG_ENABLED": "false",
+    }
+    settings = load_config(env)
+    assert settings.discover_pools
+    assert settings.model_pools is None
+    found = await discover_pools(settings, wait_s=5)
+    assert found.model_pools is not None
+    assert dict(found.model_pools.by_model) == {"alpha": ("b0", "b2"), "beta": ("b1",)}
+    server = GuardServer(found)
+    host, port = await nursery.start(server.serve)
+    guard = f"http://{host}:{port}"
+    before = accepted(server)
+    for _ in range(4):
+        assert (await http.request(guard, "POST", CHAT, [], body("alpha"))).status == 200
+    assert set((accepted(server) - before).keys()) <= {"b0", "b2"}
+    assert (await http.request(guard, "POST", CHAT, [], body("gamma"))).status == 404
+
+    # Nothing to build pools from: start-up says so instead of guessing.
+    nothing = load_config({**env, "BACKENDS": "b0=http://127.0.0.1:9"})
+    with pytest.raises(DiscoveryError, match="no backend listed a model"):
+        await discover_pools(nothing, wait_s=0.5)
