@@ -239,6 +239,10 @@ class Downstream:
         self.idle_scope.cancel()
         return True
 
+    def simple_body(self, request: SimpleRequest) -> bytes:
+        """The pending simple request's body, whole (the fast reader took only such)."""
+        return self._raw[request.head_end : request.head_end + request.body_length]
+
     def defer_simple(self) -> None:
         """Hand the pending simple request (and what follows it) to h11, unanswered."""
         self.h11.receive_data(self._raw)

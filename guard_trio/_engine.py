@@ -138,6 +138,8 @@ class Attempt:
     result: AdmissionResult | None = None
     #: The request's ``X-Request-Id`` (its :class:`~guard_core.Arrived` says it too).
     trace_id: str = ""
+    #: The engine that began it (its pool's), which settles or abandons it.
+    engine: GuardEngine | None = None
 
 
 class GuardEngine:
@@ -202,7 +204,9 @@ class GuardEngine:
                 trace_id=trace_id,
             )
         )
-        attempt = Attempt(request_id, tier, arrived, body_bytes, outcome, binding, None, trace_id)
+        attempt = Attempt(
+            request_id, tier, arrived, body_bytes, outcome, binding, None, trace_id, self
+        )
         if not isinstance(outcome, Queued):
             self._conclude(attempt, arrived)  # at once: the same instant
         return attempt

@@ -44,7 +44,7 @@ from guard_adapters.exchange import (
 )
 from guard_adapters.exchange import refusal_headers as standard_refusal_headers
 from guard_adapters.http_head import SimpleRequest
-from guard_adapters.model_pools import model_not_found_body, models_document, request_model
+from guard_adapters.model_pools import models_document, request_model
 from guard_adapters.openai_body import (
     Plan,
     StreamingRewriter,
@@ -85,6 +85,7 @@ from guard_trio._downstream import (
 from guard_trio._engine import AdmissionResult, Attempt, GuardEngine, PoolEngines
 from guard_trio._observability import GuardMetrics
 from guard_trio._own_routes import answer_own
+from guard_trio._pools import choose_pool
 from guard_trio._relay import Relay
 from guard_trio._upstream import UpstreamPool
 
@@ -94,8 +95,6 @@ __all__ = ("TOO_MANY_REQUESTS_BODY", "ProxyApp")
 _JSON = (b"content-type", b"application/json")
 _TEXT = (b"content-type", b"text/plain; charset=utf-8")
 _BUFFER_LIMIT = 2 * 1024 * 1024
-#: With ``PIG_POOLS``, how much of a body too long to hold is read for its model.
-_LEAD_BYTES = 64 * 1024
 #: ``rewrite_body``'s answer when the request must be refused (fail-closed injection).
 _REFUSE = object()
 #: ``rewrite_body``'s answer for a JSON body in UTF-16 or UTF-32: the backend would read it,
@@ -176,15 +175,23 @@ class ProxyApp:
         predicted = predicted_s if self.retry_after_predicted else None
         return standard_refusal_headers(self.retry_after, predicted)
 
-    def admit_simple(self, request: SimpleRequest) -> tuple[Attempt | None, bytes | None]:
+    def admit_simple(
+        self, request: SimpleRequest, body: bytes = b""
+    ) -> tuple[Attempt | None, bytes | None]:
         """The fast reader's request: answered here when it is an admission that is refused at
         once (the 429's bytes, already counted), else handed on (the attempt, when one was made).
 
         Only a POST to an admitted path gets this far; every other route, and a request the API
         token check would refuse, returns ``(None, None)`` and takes the full path unchanged.
         """
-        if request.method != b"POST" or self.model_pools is not None:
-            return None, None  # with model routing the body's model is read first (full path)
+        if request.method != b"POST":
+            return None, None
+        engine = self.engine
+        if self.model_pools is not None:  # ``body``: the whole body, to read its model from
+            model = request_model(body)
+            if model is None or self.model_pools.backends_for(model) is None:
+                return None, None  # the full path serves it unrouted, or answers its 404
+            engine = self.pools.of_model(model)
         routes = self._admitted_routes
         if request.target in routes:
             route = routes[request.target]
@@ -200,12 +207,12 @@ class ProxyApp:
         tier = tier_from_header_values(request.values(b"x-user-tier"))
         length = request.body_length
         trace_id = self.trace_id(request.values(b"x-request-id"))
-        attempt = self.engine.begin(tier, path=raw_path, body_bytes=length, trace_id=trace_id)
+        attempt = engine.begin(tier, path=raw_path, body_bytes=length, trace_id=trace_id)
         result = attempt.result
         if result is None or result.code is None:
             return attempt, None  # admitted or queued: the full path serves it
         # The decision took from the attempt's arrival (engine time) to now.
-        started = self.engine.started_at(attempt)
+        started = engine.started_at(attempt)
         self.hand_outcome(
             ExchangeNotes(
                 trace_id=trace_id,
@@ -349,10 +356,12 @@ class ProxyApp:
         allowed: tuple[str, ...] | None = None
         engine, lead = self.engine, None
         if self.model_pools is not None:
-            chosen = await self.choose_pool(down, body)
+            chosen = await choose_pool(self, down, body)
             if chosen is None:
                 return  # an unknown model: answered 404 before any slot was asked for
             body, lead, allowed, engine = chosen
+            if begun is not None and begun.engine is not None:
+                engine = begun.engine  # the fast reader began it in its model's pool
         output_tokens = self.output_intent(lane, length, body)
         if output_tokens is not None:
             lane = combine_lanes(lane, output_lane(output_tokens, self.current_output_thresholds()))
@@ -398,26 +407,6 @@ class ProxyApp:
             )
             await down.skip_body()
             await self.too_many_requests(down, result.retry_after_s)
-
-    async def choose_pool(
-        self, down: Downstream, body: list[bytes] | None
-    ) -> tuple[list[bytes] | None, list[bytes] | None, tuple[str, ...] | None, GuardEngine] | None:
-        """``PIG_POOLS``: the body (or, for one too long to hold, its first bytes, which go
-        upstream first), the backends of its model and its pool's engine; None when no pool
-        serves its model (the 404 is sent)."""
-        assert self.model_pools is not None
-        lead = None
-        if body is None:
-            lead, complete = await self.read_body(down, _LEAD_BYTES)
-            body, lead = (lead, None) if complete else (None, lead)
-        model = request_model(b"".join(body if body is not None else lead or ()))
-        if model is None:
-            return body, lead, None, self.engine
-        allowed = self.model_pools.backends_for(model)
-        if allowed is None:
-            await down.respond(404, [_JSON], model_not_found_body(model))
-            return None
-        return body, lead, allowed, self.pools.of_model(model)
 
     def refused_at_once(self, tier: Tier, length: int | None) -> bool:
         """The gate would refuse a slot request now, with no wait: a pure peek at the engine's

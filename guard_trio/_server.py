@@ -203,7 +203,10 @@ class GuardServer:
             elif simple is not None:
                 # The refusal path: a request refused at once is answered from its head;
                 # any other goes on through h11 below, its attempt (if any) with it.
-                begun, answer = self.app.admit_simple(simple)
+                if self.app.model_pools is None:
+                    begun, answer = self.app.admit_simple(simple)
+                else:  # its model picks the pool: the body goes along
+                    begun, answer = self.app.admit_simple(simple, down.simple_body(simple))
                 if answer is not None:
                     try:
                         await down.answer_simple(simple, answer)
@@ -248,7 +251,8 @@ class GuardServer:
                 self.app.end_exchange(down)
         finally:
             if begun is not None:
-                self.app.engine.abandon(begun)  # a no-op once served: a slot is released once
+                # A no-op once served (a slot is released once), by the pool's engine.
+                (begun.engine or self.app.engine).abandon(begun)
         if (
             down.gone
             or down.closing

@@ -234,3 +234,35 @@ async def test_discover_builds_the_pools_from_what_each_backend_lists(
     nothing = load_config({**env, "BACKENDS": "b0=http://127.0.0.1:9"})
     with pytest.raises(DiscoveryError, match="no backend listed a model"):
         await discover_pools(nothing, wait_s=0.5)
+
+
+async def test_a_pooled_refusal_still_takes_the_fast_path_and_keeps_the_connection(
+    start_sim: Any, start_guard: Any, http: Any, monkeypatch: Any
+) -> None:
+    from guard_trio import _proxy
+
+    answered = {"fast": 0}
+    admit_simple = _proxy.ProxyApp.admit_simple
+
+    def counting(self: Any, request: Any, body: bytes = b"") -> Any:
+        attempt, answer = admit_simple(self, request, body)
+        answered["fast"] += answer is not None
+        return attempt, answer
+
+    monkeypatch.setattr(_proxy.ProxyApp, "admit_simple", counting)
+    guard, server = await two_models(
+        start_sim, start_guard, GLOBAL_LIMIT="0", PIG_QUEUE_WAIT_SECONDS="0"
+    )
+    first, second = server.pools.engines
+    connection = await http.connect(guard)
+    for model in ("alpha", "beta") * 3:
+        assert (await connection.request("POST", CHAT, [], body(model))).status == 429
+    # The unknown model goes on through h11 for its 404; the connection stays open after it.
+    assert (await connection.request("POST", CHAT, [], body("gamma"))).status == 404
+    assert (await connection.request("POST", CHAT, [], body("beta"))).status == 429
+    await connection.aclose()
+    assert answered["fast"] == 7  # every refusal from the head, in its own pool
+    assert server.metrics.rejected.value == 7
+    assert first.state.gate.inflight == second.state.gate.inflight == 0
+    assert first.state.traffic.tier_rejects[0] == 3  # alpha's basic refusals
+    assert second.state.traffic.tier_rejects[0] == 4  # beta's
