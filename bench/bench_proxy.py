@@ -1362,6 +1362,7 @@ def _admin_viewers(port: int) -> int:
     except (OSError, ValueError, KeyError):
         return -1
 
+
 Results = dict[str, dict[str, float]]
 Target = Callable[["Plan", subprocess.Popen[Any], int], Results]
 

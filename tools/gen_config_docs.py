@@ -124,9 +124,9 @@ mode), tier accounting and short wait, learned from its own backends' metrics pa
 families of `/pig/metrics`, the status line, the recording and the admin plane describe the
 first pool; `inference_guard_pool_*{pool}` gives every pool's limit, in-flight, waiting and
 state. On a kept-alive connection a refusal is still answered from the request head, in the
-pool of the model its body names. A body the guard streams rather than holds (over 2 MiB, or chunked) is routed by
-the model in its first 64 KiB, which go upstream first, the rest streaming after them; one whose
-`model` comes later than that goes to the first pool.
+pool of the model its body names. A body the guard streams rather than holds (over 2 MiB, or
+chunked) is routed by the model in its first 64 KiB, which go upstream first, the rest
+streaming after them; one whose `model` comes later than that goes to the first pool.
 """,
 }
 
