@@ -83,7 +83,7 @@ class GuardServer:
         config = attrs.evolve(settings.guard_config(), adaptive_output=settings.adaptive_output)
         ids = itertools.count(1)  # request ids, unique across the pools' engines
         self.engine = GuardEngine(config, on_event=on_event, ids=ids)
-        self.pools = _pool_engines(settings, self.engine, config, on_event, ids)
+        self.pools = _pool_engines(settings, self.engine, config, ids)
         self.pool = UpstreamPool()
         self.metrics = GuardMetrics(
             settings,
@@ -401,18 +401,20 @@ def _pool_engines(
     settings: Settings,
     first: GuardEngine,
     config: GuardConfig,
-    on_event: RequestListener | None,
     ids: Iterator[int],
 ) -> PoolEngines:
     """One engine per pool of ``PIG_POOLS`` (its own learned cap and tier accounting), the
-    first pool's being ``first``; without pools, ``first`` alone, for every backend."""
+    first pool's being ``first`` (the only one with a listener); without pools, ``first``
+    alone, for every backend."""
     pools = settings.model_pools
     if pools is None:
         return PoolEngines(first)
     by_backend: dict[str, GuardEngine] = {}
     by_pool: dict[str, GuardEngine] = {}
     for index, (name, backends) in enumerate(pools.pools()):
-        engine = first if index == 0 else GuardEngine(config, on_event=on_event, ids=ids)
+        # Only the first pool's engine tells the listener (the recorder): a recording holds one
+        # pool's polls and events, so that a replay folds them into that pool's state.
+        engine = first if index == 0 else GuardEngine(config, ids=ids)
         engine.name = name
         by_pool[name] = engine
         for backend in backends:

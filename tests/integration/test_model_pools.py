@@ -266,3 +266,30 @@ async def test_a_pooled_refusal_still_takes_the_fast_path_and_keeps_the_connecti
     assert first.state.gate.inflight == second.state.gate.inflight == 0
     assert first.state.traffic.tier_rejects[0] == 3  # alpha's basic refusals
     assert second.state.traffic.tier_rejects[0] == 4  # beta's
+
+
+async def test_the_recording_listener_hears_the_first_pool_only(
+    start_sim: Any, http: Any, nursery: trio.Nursery
+) -> None:
+    from guard_core import Arrived
+    from guard_trio._server import GuardServer
+
+    alpha, _ = await start_sim(model="alpha", speed=20.0)
+    beta, _ = await start_sim(model="beta", speed=20.0)
+    settings = load_config(
+        {
+            "LISTEN": "127.0.0.1:0",
+            "BACKENDS": f"b0={alpha},b1={beta}",
+            "PIG_POOLS": "alpha=b0;beta=b1",
+            "DYNAMIC_PIG_ENABLED": "false",
+        }
+    )
+    heard: list[Any] = []
+    server = GuardServer(settings, on_event=heard.append)
+    host, port = await nursery.start(server.serve)
+    guard = f"http://{host}:{port}"
+    ids = [("X-Request-Id", "to-alpha")], [("X-Request-Id", "to-beta")]
+    assert (await http.request(guard, "POST", CHAT, ids[0], body("alpha"))).status == 200
+    assert (await http.request(guard, "POST", CHAT, ids[1], body("beta"))).status == 200
+    # Its polls are the first pool's: so are the events it records (a replay folds one pool).
+    assert [e.trace_id for e in heard if isinstance(e, Arrived)] == ["to-alpha"]
