@@ -149,10 +149,11 @@ def tier_key(tier: str) -> tuple[int, str]:
 
 
 def read_texts(value: object) -> tuple[str, ...]:
-    """The non-empty texts of a JSON list (other items skipped); empty when ``value`` is none."""
+    """The texts of a JSON list, trimmed, blank ones and other items skipped (a screen line
+    ends trimmed, so a blank text would show as nothing); empty when ``value`` is none."""
     if not isinstance(value, list):
         return ()
-    return tuple(text for item in value if (text := read_text(item)))
+    return tuple(trimmed for item in value if (trimmed := (read_text(item) or "").strip()))
 
 
 def _pair(value: object, key: str) -> float | None:
