@@ -253,7 +253,7 @@ class ProxyApp:
         trace_id = (
             begun.trace_id
             if begun is not None
-            else self.trace_id(header_values(list(request.headers), b"x-request-id"))
+            else self.trace_id([v for n, v in request.headers if n == b"x-request-id"])
         )
         down.notes = ExchangeNotes(trace_id=trace_id)
         down.exchange_open = True

@@ -200,10 +200,10 @@ class Relay:
         body_length = sum(len(c) for c in body) if body is not None else content_length(headers)
         key = self.affinity_key(headers, body)
         # Backends outside the model's pool count as tried: never picked, never retried on.
-        outside = frozenset(
-            i
-            for i, name in enumerate(self.target_names)
-            if allowed is not None and name not in allowed
+        outside = (
+            frozenset()
+            if allowed is None
+            else frozenset(i for i, name in enumerate(self.target_names) if name not in allowed)
         )
         engine = self.engine if slot is None else slot.engine
         picked = self.pick_backend(outside, key=key, body_bytes=body_length, engine=engine)
