@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from typing import Final
 
 import attrs
@@ -41,6 +42,7 @@ __all__ = (
     "DEFAULT_BODY_LIMIT",
     "DEFAULT_PREFIX_BYTES",
     "AffinityKey",
+    "AffinityKeying",
     "affinity_key",
     "key_of",
     "leading_string",
@@ -305,3 +307,23 @@ def affinity_key(
     if stream is None:
         return None
     return AffinityKey(key_of("prefix", stream), "prefix")
+
+
+@attrs.frozen
+class AffinityKeying:
+    """How the proxy keys requests under ``PIG_ROUTING=guard``: the trusted session header's
+    name (lower case; empty: none) and ``PIG_AFFINITY_PREFIX_BYTES``."""
+
+    header: bytes = b""
+    prefix_bytes: int = DEFAULT_PREFIX_BYTES
+
+    def key(self, headers: Sequence[tuple[bytes, bytes]], body: list[bytes] | None) -> int | None:
+        """The request's key: the session header when set, else the held body's ``user`` or
+        prompt prefix; None without either (a streamed body is not looked into)."""
+        session = next((v for n, v in headers if n == self.header), None) if self.header else None
+        if not session and body is None:
+            return None
+        found = affinity_key(
+            b"".join(body) if body else b"", session=session, prefix_bytes=self.prefix_bytes
+        )
+        return None if found is None else found.key

@@ -460,13 +460,15 @@ class Engine:
         ):
             raise ValueError("itl_buckets must be finite and strictly increasing")
         self._itl_bounds = bounds
-        self._profile = profile
+        #: Read-only to callers, as are ``dead`` and ``kv_used_tokens`` below.
+        self.profile = profile
         self._rng = random.Random(seed)
         self._ignore_eos = ignore_eos
         self._eos_p = 1.0 / mean_output_tokens
         self._token_events = token_events
         self._now = float(start_at)
-        self._dead = False
+        #: Killed (:meth:`kill`): every later command raises :class:`EngineDead`.
+        self.dead = False
         self._factor = 1.0
         self._seqs: dict[int, _Seq] = {}
         self._waiting: deque[_Seq] = deque()
@@ -475,7 +477,8 @@ class Engine:
         self._running: dict[int, _Seq] = {}  # admission order; the last one is preempted first
         self._prefilling: deque[tuple[int, _Seq]] = deque()  # (epoch, seq) in admission order
         self._n_decoding = 0
-        self._kv_used = 0
+        #: KV tokens held by the requests in the batch.
+        self.kv_used_tokens = 0
         self._kv_dec = 0
         self._finish_heap: list[tuple[int, int, int, _Seq]] = []
         self._tie = 0
@@ -503,21 +506,9 @@ class Engine:
     # -- read-only views ------------------------------------------------------------------------
 
     @property
-    def dead(self) -> bool:
-        return self._dead
-
-    @property
-    def profile(self) -> EngineProfile:
-        return self._profile
-
-    @property
     def now(self) -> float:
         """The latest virtual time the engine was given."""
         return self._now
-
-    @property
-    def kv_used_tokens(self) -> int:
-        return self._kv_used
 
     @property
     def itl_buckets(self) -> tuple[float, ...]:
@@ -532,13 +523,13 @@ class Engine:
         Raises :class:`EngineDead` after :meth:`kill`, :class:`RequestTooLong` when prompt plus
         ``max_output_tokens`` exceed ``max_model_len``, and ``ValueError`` for an id still live.
         """
-        if self._dead:
+        if self.dead:
             raise EngineDead("engine is dead")
-        if request.prompt_tokens + request.max_output_tokens > self._profile.max_model_len:
+        if request.prompt_tokens + request.max_output_tokens > self.profile.max_model_len:
             raise RequestTooLong(
                 f"prompt ({request.prompt_tokens} tokens) plus max_output_tokens "
                 f"({request.max_output_tokens}) exceed max_model_len "
-                f"{self._profile.max_model_len}"
+                f"{self.profile.max_model_len}"
             )
         if request.request_id in self._seqs:
             raise ValueError(f"request {request.request_id} is already in the engine")
@@ -559,7 +550,7 @@ class Engine:
 
     def abort(self, request_id: int, *, at: float) -> None:
         """The client went away: drop the request and free its KV now. Unknown ids are ignored."""
-        if self._dead:
+        if self.dead:
             return
         self._catch_up(at, inclusive=False)
         seq = self._seqs.pop(request_id, None)
@@ -570,10 +561,10 @@ class Engine:
         else:
             del self._running[request_id]
             if seq.state == _PREFILL:
-                self._kv_used -= seq.kv_need
+                self.kv_used_tokens -= seq.kv_need
             else:
                 held = seq.kv0 + (self._k_planned - seq.p0)
-                self._kv_used -= held
+                self.kv_used_tokens -= held
                 self._kv_dec -= held
                 self._n_decoding -= 1
         seq.state = _GONE
@@ -586,7 +577,7 @@ class Engine:
         """From ``at`` on, every step takes ``factor`` times its normal duration (1 restores)."""
         if not 0 < factor < math.inf:
             raise ValueError("factor must be > 0 and finite")
-        if self._dead:
+        if self.dead:
             return
         at = self._catch_up(at, inclusive=False)
         if self._step_end is not None and self._step_end > at:
@@ -595,7 +586,7 @@ class Engine:
 
     def kill(self, *, at: float) -> None:
         """Engine death at ``at``: every queued or running request gets a ``"failed"`` event."""
-        if self._dead:
+        if self.dead:
             return
         at = self._catch_up(at, inclusive=False)
         if self._token_events:
@@ -610,15 +601,15 @@ class Engine:
         self._prefilling.clear()
         self._finish_heap.clear()
         self._step_done = []
-        self._n_waiting = self._n_decoding = self._kv_used = self._kv_dec = 0
+        self._n_waiting = self._n_decoding = self.kv_used_tokens = self._kv_dec = 0
         self._step_end = None
         self._ready_at = None
         self._flush_due = False
-        self._dead = True
+        self.dead = True
 
     def advance(self, until: float) -> list[TokenEvent]:
         """Run the steps that end by ``until``; return the events since the last call, in order."""
-        if not self._dead:
+        if not self.dead:
             self._catch_up(until, inclusive=True)
             if self._flush_due and self._token_events:
                 self._flush_tokens()
@@ -630,7 +621,7 @@ class Engine:
 
     def next_event_at(self) -> float | None:
         """When :meth:`advance` next has something to return; ``None`` when idle."""
-        if self._dead:
+        if self.dead:
             return self._events[0].at if self._events else None
         self._catch_up(self._now, inclusive=True)
         candidates = []
@@ -646,7 +637,7 @@ class Engine:
         return EngineMetrics(
             running=len(self._running),
             waiting=min(self._reported_waiting, self._n_waiting),
-            kv_usage=min(1.0, max(0.0, self._kv_used / self._profile.kv_capacity_tokens)),
+            kv_usage=min(1.0, max(0.0, self.kv_used_tokens / self.profile.kv_capacity_tokens)),
             preemptions_total=self._preemptions,
             prompt_tokens_total=self._prompt_total,
             generation_tokens_total=self._gen_total,
@@ -683,10 +674,10 @@ class Engine:
 
     def _plan(self, start: float) -> None:
         """Choose the next step's work (preempting if needed) and fix when it ends."""
-        profile = self._profile
+        profile = self.profile
         preempted = self._make_room(start)
         decoding = self._n_decoding
-        self._kv_used += decoding
+        self.kv_used_tokens += decoding
         self._kv_dec += decoding
         budget = profile.max_num_batched_tokens - decoding
         done: list[tuple[int, _Seq]] = []
@@ -728,9 +719,9 @@ class Engine:
 
     def _make_room(self, at: float) -> bool:
         """Preempt the newest sequences until every decoder can store one more KV token."""
-        cap = self._profile.kv_capacity_tokens
+        cap = self.profile.kv_capacity_tokens
         preempted = False
-        while self._kv_used + self._n_decoding > cap and self._running:
+        while self.kv_used_tokens + self._n_decoding > cap and self._running:
             _, victim = self._running.popitem()
             preempted = True
             if victim.state == _DECODE:
@@ -746,7 +737,7 @@ class Engine:
                     victim.delivered = victim.gen
             else:
                 held = victim.kv_need
-            self._kv_used -= held
+            self.kv_used_tokens -= held
             victim.state = _WAITING
             victim.epoch += 1
             victim.kv_need = victim.prompt + victim.gen
@@ -759,7 +750,7 @@ class Engine:
 
     def _admit(self, budget: int, done: list[tuple[int, _Seq]]) -> int:
         """Start prefilling queued requests, first come first served; return tokens scheduled."""
-        profile = self._profile
+        profile = self.profile
         cap = profile.kv_capacity_tokens
         waiting = self._waiting
         running = self._running
@@ -769,13 +760,13 @@ class Engine:
             if seq.state != _WAITING:  # aborted while queued
                 waiting.popleft()
                 continue
-            if self._kv_used + seq.kv_need > cap:
+            if self.kv_used_tokens + seq.kv_need > cap:
                 break
             waiting.popleft()
             self._n_waiting -= 1
             seq.state = _PREFILL
             running[seq.rid] = seq
-            self._kv_used += seq.kv_need
+            self.kv_used_tokens += seq.kv_need
             self._prefilling.append((seq.epoch, seq))
             chunk = min(seq.prefill_left, budget)
             seq.prefill_left -= chunk
@@ -803,7 +794,7 @@ class Engine:
             if seq.state != _DECODE or seq.epoch != epoch:
                 continue
             held = seq.kv0 + (k - seq.p0)
-            self._kv_used -= held
+            self.kv_used_tokens -= held
             self._kv_dec -= held
             self._n_decoding -= 1
             self._finish(seq, end)
@@ -824,7 +815,7 @@ class Engine:
             else:  # readmitted after a preemption: this token ends a long gap
                 self._observe_itl(end - seq.last_at, 1)
             if seq.gen >= seq.target:
-                self._kv_used -= seq.kv_need
+                self.kv_used_tokens -= seq.kv_need
                 self._finish(seq, end)
                 continue
             seq.state = _DECODE

@@ -33,6 +33,7 @@ from urllib.parse import unquote
 
 import attrs
 
+from guard_adapters.sse import is_streaming_request
 from guard_core import Binding, DecisionSource, GateState, Lane, LoadState, RejectCode, Tier
 from guard_core.routing import PathPolicy
 
@@ -140,6 +141,8 @@ class Route(enum.Enum):
     #: QoS: a slot, a short wait or a 429, then forwarding.
     ADMITTED = "admitted"
     FORWARD = "forward"
+    #: ``GET /v1/models`` with ``PIG_POOLS``: the union of the pools' models, the guard's own.
+    MODELS = "models"
 
 
 _OWN = {
@@ -151,7 +154,7 @@ _OWN = {
 }
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a key of :func:`admitted_post`'s cache, hashed once
 class Routes:
     """The routes the settings declare, and the rule that picks one for a request."""
 
@@ -165,6 +168,8 @@ class Routes:
     known_routes: frozenset[str]
     known_keys: frozenset[str]
     suffix_keys: tuple[str, ...]
+    #: ``PIG_POOLS`` is set: several models behind one guard, whose list is theirs together.
+    models_union: bool = False
 
     @classmethod
     def build(
@@ -174,6 +179,7 @@ class Routes:
         auth: PathPolicy,
         api_auth: bool,
         forward: Sequence[str] = (),
+        models_union: bool = False,
     ) -> Routes:
         known = (*OWN_ROUTES, ATTESTATION_ROUTE, *admitted.paths, *auth.paths, *forward)
         suffix_keys = (
@@ -189,6 +195,7 @@ class Routes:
             known_routes=frozenset(known),
             known_keys=frozenset(route_key(route) for route in known),
             suffix_keys=suffix_keys,
+            models_union=models_union,
         )
 
     def lookalike(self, path: str) -> bool:
@@ -220,6 +227,8 @@ class Routes:
             return Route.ADMITTED
         if self.forward is not None and path not in self.forward:
             return Route.NOT_FOUND
+        if self.models_union and method == b"GET" and path == "/v1/models":
+            return Route.MODELS
         return Route.FORWARD
 
     def needs_token(self, method: bytes, path: str) -> bool:
@@ -236,6 +245,13 @@ class Routes:
         ):
             return None
         return target.decode("latin-1").partition("?")[0], self.needs_token(b"POST", path)
+
+
+@functools.lru_cache(maxsize=1024)
+def admitted_post(routes: Routes, target: bytes) -> tuple[str, bool] | None:
+    """:meth:`Routes.admitted_post`, remembered for the last 1,024 targets (routes are few; the
+    fast reader asks it for every request)."""
+    return routes.admitted_post(target)
 
 
 def refusal_headers(
@@ -326,6 +342,31 @@ def is_chunked(headers: Headers) -> bool:
 
 def without_length(headers: Headers) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in headers if k != b"content-length"]
+
+
+#: An unwanted body at most this long (declared) is read and dropped, keeping the connection;
+#: a longer, chunked or ``100-continue`` one is left unread and the connection closes instead.
+EARLY_DRAIN_BYTES = 64 * 1024
+
+
+def framed(headers: Headers) -> list[tuple[bytes, bytes]]:
+    """A request's headers, with ``Content-Length: 0`` added when it has no framing header at
+    all: no framing means no body (RFC 9112 6.3), and the backend is told so rather than given
+    an empty body re-framed as chunked."""
+    kept = list(headers)
+    if not any(name in (b"content-length", b"transfer-encoding") for name, _ in kept):
+        kept.append((b"content-length", b"0"))
+    return kept
+
+
+def peek_first(length: int | None, *, classify: bool, pooled: bool) -> bool:
+    """Whether the gate is asked from the head alone before an admitted body is read: a short
+    body costs nothing to read (a refusal drops it and keeps the connection), a long one or
+    one the output classifier would parse is worth the peek; with ``PIG_POOLS`` the body's
+    model says which pool's gate to ask, so it is read first."""
+    if pooled:
+        return False
+    return length is None or length > EARLY_DRAIN_BYTES or classify
 
 
 def with_sse_defaults(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -449,6 +490,20 @@ def low_load(gate: GateState, *, dynamic: bool) -> bool:
         and decision.kv_usage < 0.70
         and gate.waiting == 0
     )
+
+
+#: A held body larger than this never opens the early bridge (spec 8.4).
+BRIDGE_SAFE_BODY = 524_288
+
+
+def opens_bridge(headers: Headers, body: Sequence[bytes] | None, *, quiet: bool) -> bool:
+    """Spec 8.4, for an admitted request with ``SSE_EARLY_BRIDGE_ENABLED``: whether its client
+    gets a 200 event stream at once when the backend is slow to answer: its body is held and
+    under :data:`BRIDGE_SAFE_BODY`, it asks to stream, and the pool is ``quiet``
+    (:func:`low_load`)."""
+    if body is None or sum(len(chunk) for chunk in body) >= BRIDGE_SAFE_BODY:
+        return False
+    return quiet and is_streaming_request(first_header(headers, b"accept"), b"".join(body))
 
 
 @attrs.frozen

@@ -85,25 +85,28 @@ class Header:
 
 
 @attrs.frozen(kw_only=True)
-class Scrape:
-    """One backend's metrics page at poll ``poll``: the families the learner reads, verbatim."""
+class _BackendAtPoll:
+    """What one backend's metrics gave at poll ``poll`` (the fields both records begin with)."""
 
-    KIND: ClassVar[str] = "scrape"
     at: float
     poll: int
     backend: str
+
+
+@attrs.frozen(kw_only=True)
+class Scrape(_BackendAtPoll):
+    """One backend's metrics page at poll ``poll``: the families the learner reads, verbatim."""
+
+    KIND: ClassVar[str] = "scrape"
     flavour: str
     text: str
 
 
 @attrs.frozen(kw_only=True)
-class ScrapeFailed:
+class ScrapeFailed(_BackendAtPoll):
     """One backend's metrics could not be fetched or parsed at poll ``poll``."""
 
     KIND: ClassVar[str] = "scrape_failed"
-    at: float
-    poll: int
-    backend: str
     error: str
 
 

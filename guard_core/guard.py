@@ -37,6 +37,7 @@ from guard_core.decision import (
     LimitReason,
     LoadState,
     PublishedDecision,
+    Rejected,
 )
 from guard_core.evaluation import (
     BackendPoll,
@@ -44,7 +45,7 @@ from guard_core.evaluation import (
     LearnerState,
     evaluate_round,
 )
-from guard_core.events import RequestEvent
+from guard_core.events import Arrived, RequestEvent
 from guard_core.gate import GateConfig, GateState
 from guard_core.health import (
     BackendFailed,
@@ -83,6 +84,7 @@ __all__ = (
     "apply_health_event",
     "apply_traffic_event",
     "fold",
+    "refuses_at_once",
 )
 
 
@@ -259,6 +261,12 @@ def apply(state: GuardState, event: GuardEvent) -> GuardStep:
         return GuardStep(attrs.evolve(state, gate=gate_rules.apply(state.gate, event).state))
     state, outcome = request_rules.apply(state, event)
     return GuardStep(state, outcome=outcome)
+
+
+def refuses_at_once(state: GuardState, attempt: Arrived) -> bool:
+    """Whether ``attempt`` would be refused now, with no wait: the early-refusal peek the
+    shell makes from a request's head before reading its body (nothing is applied)."""
+    return isinstance(apply(state, attempt).outcome, Rejected)
 
 
 def fold(state: GuardState, events: Iterable[GuardEvent]) -> GuardState:

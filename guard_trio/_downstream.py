@@ -27,16 +27,23 @@ Guarantees:
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
-from http import HTTPStatus
+from collections.abc import Awaitable, Callable
 
-import attrs
 import h11
 import trio
 
+from guard_adapters.answers import (
+    BodyLimits,
+    BodyRefused,
+    RefusedRequest,
+    declared_length,
+    stamped,
+    whole_response,
+    with_close,
+)
+from guard_adapters.exchange import EARLY_DRAIN_BYTES
 from guard_adapters.http_head import (
     MAX_REQUEST_HEAD_BYTES,
-    MAX_REQUEST_HEADERS,
     SimpleRequest,
     head_problem,
     read_simple_request,
@@ -45,23 +52,12 @@ from guard_adapters.outcome import ExchangeNotes
 from guard_core import GuardError
 
 __all__ = (
-    "EARLY_DRAIN_BYTES",
-    "MAX_HEADERS",
-    "MAX_HEADER_BYTES",
-    "BodyLimits",
-    "BodyRefused",
     "ClientGone",
     "Downstream",
-    "RefusedRequest",
     "ResponseAborted",
 )
 
-MAX_HEADER_BYTES = MAX_REQUEST_HEAD_BYTES
-MAX_HEADERS = MAX_REQUEST_HEADERS
 _READ_SIZE = 65536
-#: An unwanted body at most this long (declared) is read and dropped, keeping the connection;
-#: a longer, chunked or ``100-continue`` one is left unread and the connection closes instead.
-EARLY_DRAIN_BYTES = 64 * 1024
 #: While a request is in flight, stop reading ahead once this much of the next one is buffered.
 _MAX_READ_AHEAD = 64 * 1024
 #: Before closing a connection whose body was left unread: how long and how much to drain, so
@@ -78,41 +74,13 @@ class ResponseAborted(GuardError):
     """A response already started cannot be completed: the client connection must be closed."""
 
 
-@attrs.frozen
-class RefusedRequest(Exception):
-    """A request refused before routing: answer ``status`` and close."""
-
-    status: int
-    reason: str
-
-
-@attrs.frozen
-class BodyRefused(Exception):
-    """The request body broke a limit (413 too large, 408 too slow, 400 bad framing): answer
-    ``status`` if a response can still be sent, then close."""
-
-    status: int
-    reason: str
-
-
-@attrs.frozen
-class BodyLimits:
-    """``PIG_MAX_BODY_BYTES``, ``PIG_BODY_IDLE_TIMEOUT_SECONDS``, ``PIG_BODY_TIMEOUT_SECONDS``."""
-
-    max_bytes: int = 8 * 1024 * 1024
-    #: The longest wait for the next body bytes.
-    idle_timeout_s: float = 10.0
-    #: The whole body must arrive within this, counted from the first read of it.
-    total_timeout_s: float = 60.0
-
-
 class Downstream:
     def __init__(
         self, stream: trio.abc.Stream, peer: str, limits: BodyLimits | None = None
     ) -> None:
         self.stream = stream
         self.peer = peer
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES)
         self.gone = False
         #: What the guard noted of the exchange in progress (:mod:`guard_adapters.outcome`);
         #: its ``trace_id`` is the ``X-Request-Id`` every response head carries.
@@ -257,7 +225,7 @@ class Downstream:
     def begin_body(self, request: h11.Request) -> None:
         """Start the body accounting of ``request``; a declared length over the cap is refused
         here, before any byte of the body is read (:class:`BodyRefused` 413)."""
-        self._declared = _declared_length(list(request.headers))
+        self._declared = declared_length(request.headers)
         self._body_read = 0
         self._body_deadline = None
         if self._declared is not None and self._declared > self.limits.max_bytes:
@@ -293,18 +261,10 @@ class Downstream:
     async def read_body(self, limit: int) -> tuple[list[bytes], bool]:
         """Read the body until more than ``limit`` bytes (or its end) came, under the body
         limits; returns (chunks, complete)."""
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            event = await self.body_event()
-            if isinstance(event, h11.Data):
-                chunks.append(bytes(event.data))
-                size += len(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return chunks, True
-            elif isinstance(event, h11.ConnectionClosed):
-                raise ClientGone("client closed while sending its body")
-        return chunks, False
+        chunks, end = await read_up_to(self.body_event, limit)
+        if isinstance(end, h11.ConnectionClosed):
+            raise ClientGone("client closed while sending its body")
+        return chunks, end is not None
 
     async def skip_body(self) -> None:
         """The body is not wanted: read and drop it when it is short (declared at most
@@ -329,7 +289,7 @@ class Downstream:
         ):
             # An early response: the unread body would be parsed as the next request.
             self.closing = True
-            events = tuple(_with_close(event) for event in events)
+            events = tuple(with_close(event) for event in events)
         data = b"".join(self.h11.send(event) or b"" for event in events)
         if data:
             await self.send_raw(data)
@@ -340,7 +300,7 @@ class Downstream:
         """A whole response in one write."""
         if self.exchange_open:
             self.notes.status = status
-        await self.send(*_whole_response(status, self.stamped(headers), body))
+        await self.send(*whole_response(status, stamped(headers, self.notes.trace_id), body))
 
     def head(
         self, status: int, headers: list[tuple[bytes, bytes]], reason: bytes = b""
@@ -348,16 +308,9 @@ class Downstream:
         """The response head for ``headers``, with the request's ``X-Request-Id``."""
         if self.exchange_open:
             self.notes.status = status
-        return h11.Response(status_code=status, headers=self.stamped(headers), reason=reason)
-
-    def stamped(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        """``headers`` with this request's id as its one ``X-Request-Id`` (a backend's own goes)."""
-        trace_id = self.notes.trace_id
-        if not trace_id:
-            return headers
-        kept = [(n, v) for n, v in headers if n.lower() != b"x-request-id"]
-        kept.append((b"x-request-id", trace_id.encode()))
-        return kept
+        return h11.Response(
+            status_code=status, headers=stamped(headers, self.notes.trace_id), reason=reason
+        )
 
     def frame(self, *events: h11.Event) -> bytes:
         """The bytes h11 would send for ``events`` (its state advances): for a caller that
@@ -419,32 +372,21 @@ class Downstream:
                 return
 
 
-def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    """The body length a head announces: None for a chunked body, 0 when there is none."""
-    length = 0
-    for name, value in headers:
-        if name == b"transfer-encoding":
-            return None
-        if name == b"content-length":
-            try:
-                length = int(value)
-            except ValueError:
-                return None
-    return length
-
-
-def _with_close(event: h11.Event) -> h11.Event:
-    if not isinstance(event, h11.Response):
-        return event
-    if any(n == b"connection" and v.lower() == b"close" for n, v in event.headers):
-        return event
-    kept = [(n, v) for n, v in event.headers if n != b"connection"]
-    return h11.Response(
-        status_code=event.status_code,
-        headers=[*kept, (b"connection", b"close")],
-        reason=event.reason,
-        http_version=event.http_version,
-    )
+async def read_up_to(
+    next_event: Callable[[], Awaitable[h11.Event]], limit: int
+) -> tuple[list[bytes], h11.Event | None]:
+    """A body's chunks from ``next_event`` until more than ``limit`` bytes came (the end is
+    then None) or its last event came (``EndOfMessage`` or ``ConnectionClosed``)."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        event = await next_event()
+        if isinstance(event, h11.Data):
+            chunks.append(bytes(event.data))
+            size += len(event.data)
+        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+            return chunks, event
+    return chunks, None
 
 
 async def send_fast(stream: trio.abc.Stream, sock: socket.socket | None, data: bytes) -> None:
@@ -495,39 +437,3 @@ def stdlib_socket(stream: object) -> socket.socket | None:
     ``tests/integration/test_fast_paths.py`` so that a trio change fails loudly."""
     sock = getattr(getattr(stream, "socket", None), "_sock", None)
     return sock if isinstance(sock, socket.socket) else None
-
-
-def _whole_response(
-    status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes
-) -> list[h11.Event]:
-    framed = [*headers, (b"content-length", str(len(body)).encode())]
-    events: list[h11.Event] = [
-        h11.Response(status_code=status, headers=framed, reason=_reason(status))
-    ]
-    if body:
-        events.append(h11.Data(data=body))
-    events.append(h11.EndOfMessage())
-    return events
-
-
-#: A request h11 has read, so that :func:`whole_response_bytes` can frame an answer to it.
-_SOME_REQUEST = b"POST / HTTP/1.1\r\nhost: guard\r\ncontent-length: 0\r\n\r\n"
-
-
-def whole_response_bytes(
-    status: int, headers: tuple[tuple[bytes, bytes], ...], body: bytes
-) -> bytes:
-    """The exact bytes :meth:`Downstream.respond` writes for this answer on a kept-alive
-    HTTP/1.1 connection, framed by a throwaway h11 connection (callers keep what they reuse)."""
-    framer = h11.Connection(h11.SERVER)
-    framer.receive_data(_SOME_REQUEST)
-    while framer.next_event() is not h11.NEED_DATA and framer.their_state is not h11.DONE:
-        pass
-    return b"".join(framer.send(event) or b"" for event in _whole_response(status, headers, body))
-
-
-def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b""

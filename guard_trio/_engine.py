@@ -5,11 +5,10 @@ each backend's health events (failures, successes, full answers, probes), output
 and poll results from the proxy and the poller;
 time from ``trio.current_time()`` only.
 Guarantees:
-- every state change goes through :func:`guard_core.apply_guard_event` (or, for the traffic
-  counts the shell reports, :func:`guard_core.guard.apply_traffic_event`, its outcome-free
-  part), in one task at a time (trio is single-threaded and none of these methods awaits while
-  changing state); the proxy's side of a request is said in the request events of
-  :mod:`guard_core.events` and nothing else;
+- every state change goes through :func:`guard_core.apply_guard_event`, in one task at a time
+  (trio is single-threaded and none of these methods awaits while changing state); the
+  proxy's side of a request is said in the request events of :mod:`guard_core.events`, and
+  what it saw of backends in the traffic and health events (:meth:`GuardEngine.tell`);
 - a waiting request wakes on every release and every poll (a broadcast), at its fallback
   re-check time, and at its deadline, and always ends with a slot or a refusal; a waiter whose
   task is cancelled (its client left) is removed from the queue and never admitted;
@@ -57,21 +56,8 @@ from guard_core import (
     apply_guard_event,
     next_check_at,
 )
-from guard_core.guard import apply_health_event, apply_traffic_event
-from guard_core.health import (
-    BackendFailed,
-    BackendFull,
-    BackendSucceeded,
-    Failure,
-    ProbeAbandoned,
-    ProbeSent,
-)
-from guard_core.traffic import (
-    BackendFinished,
-    BackendForwarded,
-    OutputIntentObserved,
-    RefusedAfterAdmission,
-)
+from guard_core.health import HealthEvent
+from guard_core.traffic import TrafficEvent
 
 __all__ = ("AdmissionResult", "Attempt", "GuardEngine", "PoolEngines", "RequestListener", "Slot")
 
@@ -298,40 +284,15 @@ class GuardEngine:
     def seconds_since_start(self) -> float:
         return self._at()
 
-    # -- traffic: counts the core keeps so the shell keeps none ---------------------------------
+    # -- traffic and health: what the shell saw happen, told as the core's events -------------
 
-    def forwarded(self, backend: str) -> None:
-        """A request was sent to ``backend``; pair with :meth:`finished` on every path."""
-        self.state = apply_traffic_event(self.state, BackendForwarded(self._at(), backend))
-
-    def finished(self, backend: str) -> None:
-        self.state = apply_traffic_event(self.state, BackendFinished(self._at(), backend))
-
-    def output_intent(self, tokens: int) -> None:
-        """A classified body asked for ``tokens`` output tokens (adaptive output lanes)."""
-        self.state = apply_traffic_event(self.state, OutputIntentObserved(self._at(), tokens))
-
-    def refused_after_admission(self, tier: Tier) -> None:
-        """An admitted request got a 429 before it was forwarded (the priority rewrite)."""
-        self.state = apply_traffic_event(self.state, RefusedAfterAdmission(self._at(), tier))
-
-    # -- health: what each backend did with the requests sent to it -----------------------------
-
-    def backend_failed(self, backend: str, failure: Failure) -> None:
-        self.state = apply_health_event(self.state, BackendFailed(self._at(), backend, failure))
-
-    def backend_succeeded(self, backend: str) -> None:
-        self.state = apply_health_event(self.state, BackendSucceeded(self._at(), backend))
-
-    def backend_full(self, backend: str) -> None:
-        """``backend``'s engine refused a request unstarted (its queue is full)."""
-        self.state = apply_health_event(self.state, BackendFull(self._at(), backend))
-
-    def probe_sent(self, backend: str) -> None:
-        self.state = apply_health_event(self.state, ProbeSent(self._at(), backend))
-
-    def probe_abandoned(self, backend: str) -> None:
-        self.state = apply_health_event(self.state, ProbeAbandoned(self._at(), backend))
+    def tell(self, kind: Callable[..., TrafficEvent | HealthEvent], *fields: object) -> None:
+        """Apply the traffic or health event ``kind(now, *fields)``: a request sent to or ended
+        at a backend (:class:`~guard_core.traffic.BackendForwarded` and
+        :class:`~guard_core.traffic.BackendFinished`, paired on every path), an output-token
+        intent, a refusal after admission, or what a backend did with a request
+        (:mod:`guard_core.health`)."""
+        self.state = apply_guard_event(self.state, kind(self._at(), *fields)).state
 
 
 class PoolEngines:

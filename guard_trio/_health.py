@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from guard_core.health import Failure
+from guard_core.health import BackendFailed, BackendFull, BackendSucceeded, Failure, ProbeAbandoned
 from guard_trio._engine import GuardEngine
 from guard_trio._upstream import UpstreamConnection, UpstreamError
 
@@ -47,30 +47,31 @@ class BackendHealthReports:
         if not self.on:
             return
         if status in ENGINE_REFUSALS:
-            self.engine_of(name).backend_full(name)
+            self.engine_of(name).tell(BackendFull, name)
         elif status >= 500:
-            self.engine_of(name).backend_failed(name, Failure.SERVER_ERROR)
+            self.engine_of(name).tell(BackendFailed, name, Failure.SERVER_ERROR)
         else:
-            self.engine_of(name).backend_succeeded(name)
+            self.engine_of(name).tell(BackendSucceeded, name)
 
     def refuses(self, name: str, status: int, *, can_respond: bool) -> bool:
         """The engine refused the request unstarted and the client has seen nothing yet: the
         backend is marked full and the relay goes on elsewhere or answers its own 429."""
         if not (self.on and can_respond and status in ENGINE_REFUSALS):
             return False
-        self.engine_of(name).backend_full(name)
+        self.engine_of(name).tell(BackendFull, name)
         return True
 
     def stalled(self, name: str) -> None:
         """No response head within the head timeout."""
         if self.on:
-            self.engine_of(name).backend_failed(name, Failure.STALLED_HEAD)
+            self.engine_of(name).tell(BackendFailed, name, Failure.STALLED_HEAD)
 
     def failed(self, name: str, up: UpstreamConnection | None) -> None:
         """The exchange broke (``up``: its connection, ``None`` when the connect failed)."""
         if not self.on or (up is not None and up.head_seen):
             return  # the head already said how the backend is; a cut body is not a verdict
-        self.engine_of(name).backend_failed(name, Failure.CONNECT if up is None else Failure.RESET)
+        failure = Failure.CONNECT if up is None else Failure.RESET
+        self.engine_of(name).tell(BackendFailed, name, failure)
 
     def go_on(
         self,
@@ -94,4 +95,4 @@ class BackendHealthReports:
             return
         health = self.engine_of(name).state.health.of(name)
         if health is not None and health.probing:
-            self.engine_of(name).probe_abandoned(name)
+            self.engine_of(name).tell(ProbeAbandoned, name)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import h11
 
 from guard_adapters.exchange import NOT_FOUND, UNAUTHORIZED_JSON, Route
+from guard_adapters.model_pools import models_document
 from guard_core import upstream_status_digit
 from guard_trio._downstream import Downstream
 from guard_trio._observability import backend_pages
@@ -45,6 +46,9 @@ async def answer_own(
     elif route is Route.NOT_FOUND:
         # Refused before any check: no backend may read this target as another path.
         await down.respond(404, [_TEXT], NOT_FOUND)
+    elif route is Route.MODELS:
+        assert app.model_pools is not None
+        await down.respond(200, [_JSON], models_document(app.model_pools))
     elif route is Route.ATTESTATION:
         if not app.authorized(headers):
             await down.respond(401, [_JSON], UNAUTHORIZED_JSON)

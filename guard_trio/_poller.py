@@ -18,24 +18,16 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from guard_adapters.backends import MetricsSource
 from guard_adapters.explain import poll_prediction
 from guard_adapters.metrics import MAX_PAGE_BYTES, parse_metrics
 from guard_core import BackendPoll, GuardError, Prediction, PublishedDecision
 from guard_trio._engine import GuardEngine
 from guard_trio._http import fetch
 
-__all__ = ("MetricsSource", "PollReport", "Poller")
+__all__ = ("PollReport", "Poller")
 
 POLL_TIMEOUT_S = 2.0
-
-
-@attrs.frozen
-class MetricsSource:
-    name: str
-    url: str
-    #: Also checked each round when set: a non-200 answer fails the backend for that round (a
-    #: server whose engine died may keep serving /metrics).
-    health_url: str | None = None
 
 
 @attrs.frozen

@@ -29,22 +29,25 @@ import h11
 import trio
 
 from guard_adapters._errors import BodyRewriteError
+from guard_adapters.answers import RefusalAnswers
 from guard_adapters.config import Settings
 from guard_adapters.exchange import (
     BAD_ENCODING_BODY,
     TOO_MANY_REQUESTS_BODY,
     Route,
     Routes,
+    admitted_post,
     content_length,
     first_header,
+    framed,
     header_values,
+    peek_first,
     route_path,
     token_digest,
     token_matches,
 )
-from guard_adapters.exchange import refusal_headers as standard_refusal_headers
 from guard_adapters.http_head import SimpleRequest
-from guard_adapters.model_pools import models_document, request_model
+from guard_adapters.model_pools import request_model
 from guard_adapters.openai_body import (
     Plan,
     StreamingRewriter,
@@ -64,24 +67,20 @@ from guard_core import (
     Arrived,
     Lane,
     RejectCode,
-    Rejected,
     Tier,
-    apply_guard_event,
     body_lane,
     tier_from_header_values,
 )
+from guard_core.guard import refuses_at_once
 from guard_core.lanes import (
     DEFAULT_OUTPUT_THRESHOLDS,
     Thresholds,
     combine_lanes,
     output_lane,
 )
+from guard_core.traffic import OutputIntentObserved, RefusedAfterAdmission
 from guard_trio._attestation import AttestationHandler
-from guard_trio._downstream import (
-    EARLY_DRAIN_BYTES,
-    Downstream,
-    whole_response_bytes,
-)
+from guard_trio._downstream import Downstream
 from guard_trio._engine import AdmissionResult, Attempt, GuardEngine, PoolEngines
 from guard_trio._observability import GuardMetrics
 from guard_trio._own_routes import answer_own
@@ -102,8 +101,6 @@ _REFUSE = object()
 _BAD_ENCODING = object()
 #: Buffered rewrites of bodies larger than this run in a worker thread.
 _REWRITE_IN_THREAD_BYTES = 256 * 1024
-#: How many request targets the fast reader remembers the route of.
-_ROUTE_CACHE_SIZE = 1024
 
 
 class ProxyApp:
@@ -136,16 +133,12 @@ class ProxyApp:
             auth=settings.auth_paths,
             api_auth=env.api_auth_enabled,
             forward=env.pig_forward_paths,
+            models_union=settings.model_pools is not None,
         )
-        self.retry_after = (
-            str(env.pig_retry_after_seconds).encode() if env.pig_retry_after_seconds > 0 else None
+        self.refusals = RefusalAnswers(
+            str(env.pig_retry_after_seconds).encode() if env.pig_retry_after_seconds > 0 else None,
+            predicted=settings.retry_after_predicted,
         )
-        #: ``PIG_RETRY_AFTER_MODE=predicted``: an admission 429 says the learner's seconds.
-        self.retry_after_predicted = settings.retry_after_predicted and self.retry_after is not None
-        #: The 429's bytes by predicted Retry-After (None: the configured one).
-        self._refusals: dict[int | None, tuple[bytes, bytes]] = {}
-        #: ``Routes.admitted_post`` by request target (routes are few; the cache is bounded).
-        self._admitted_routes: dict[bytes, tuple[str, bool] | None] = {}
         #: The request's ``X-Request-Id``: the client's when sane, else the guard's own.
         self.trace_id = TraceIds(os.urandom(4).hex())
         #: Told every exchange's outcome, once, in order: the metrics first.
@@ -169,11 +162,7 @@ class ProxyApp:
         """The standard 429. ``predicted_s`` is an admission refusal's predicted Retry-After,
         sent in place of ``PIG_RETRY_AFTER_SECONDS`` when ``PIG_RETRY_AFTER_MODE`` is
         ``predicted``; ``PIG_RETRY_AFTER_SECONDS=0`` sends no Retry-After at all."""
-        await down.respond(429, list(self.refusal_headers(predicted_s)), TOO_MANY_REQUESTS_BODY)
-
-    def refusal_headers(self, predicted_s: int | None) -> tuple[tuple[bytes, bytes], ...]:
-        predicted = predicted_s if self.retry_after_predicted else None
-        return standard_refusal_headers(self.retry_after, predicted)
+        await down.respond(429, list(self.refusals.headers(predicted_s)), TOO_MANY_REQUESTS_BODY)
 
     def admit_simple(
         self, request: SimpleRequest, body: bytes = b""
@@ -192,13 +181,7 @@ class ProxyApp:
             if model is None or self.model_pools.backends_for(model) is None:
                 return None, None  # the full path serves it unrouted, or answers its 404
             engine = self.pools.of_model(model)
-        routes = self._admitted_routes
-        if request.target in routes:
-            route = routes[request.target]
-        else:
-            route = self.routes.admitted_post(request.target)
-            if len(routes) < _ROUTE_CACHE_SIZE:
-                routes[request.target] = route
+        route = admitted_post(self.routes, request.target)
         if route is None:
             return None, None
         raw_path, token_checked = route
@@ -228,21 +211,7 @@ class ProxyApp:
                 status=429,
             ).outcome()
         )
-        status_line, rest = self.refusal_bytes(result.retry_after_s)
-        return None, b"%sx-request-id: %s\r\n%s" % (status_line, trace_id.encode(), rest)
-
-    def refusal_bytes(self, predicted_s: int | None) -> tuple[bytes, bytes]:
-        """The whole 429 for a kept-alive connection, as :meth:`too_many_requests` sends it but
-        for its ``X-Request-Id``: (its status line, the rest), for the id to go between."""
-        answer = self._refusals.get(predicted_s)
-        if answer is None:
-            headers = self.refusal_headers(predicted_s)
-            whole = whole_response_bytes(429, headers, TOO_MANY_REQUESTS_BODY)
-            split = whole.index(b"\r\n") + 2
-            answer = whole[:split], whole[split:]
-            if len(self._refusals) < 64:  # predicted seconds are few; bound it all the same
-                self._refusals[predicted_s] = answer
-        return answer
+        return None, self.refusals.whole(result.retry_after_s, trace_id)
 
     # -- the exchange's id and outcome ---------------------------------------------------------
 
@@ -281,13 +250,7 @@ class ProxyApp:
         """Serve one request; ``begun``: its admission, already attempted by the fast reader
         (:meth:`admit_simple`), which only a POST to an admitted path has."""
         path = route_path(request.target)
-        headers = list(request.headers)
-        if not header_values(headers, b"content-length") and not header_values(
-            headers, b"transfer-encoding"
-        ):
-            # No framing header means no body (RFC 9112 6.3): the backend is told so with a
-            # zero Content-Length rather than an empty body re-framed as chunked.
-            headers.append((b"content-length", b"0"))
+        headers = framed(request.headers)
         method = request.method
         token_checked = path is not None and self.routes.needs_token(method, path)
         route = self.routes.route(
@@ -298,18 +261,6 @@ class ProxyApp:
         )
         if route is Route.ADMITTED:
             await self.admitted(down, request, headers, begun)
-        elif (
-            route is Route.FORWARD
-            and self.model_pools is not None
-            and (method, path)
-            == (
-                b"GET",
-                "/v1/models",
-            )
-        ):
-            # Several models behind one guard: the list is theirs together, not one backend's.
-            await down.skip_body()
-            await down.respond(200, [_JSON], models_document(self.model_pools))
         elif route is Route.FORWARD:
             await self.relay.forward(down, request, headers, slot=None, tier=None)
         else:
@@ -336,12 +287,9 @@ class ProxyApp:
         notes = down.notes
         notes.admitted_path, notes.tier, notes.lane, notes.body_bytes = True, tier, lane, length
         path = request.target.decode("latin-1").partition("?")[0]
-        # A short body costs nothing to read (a refusal drops it anyway and keeps the
-        # connection); a long one, or one the classifier would parse, is worth a peek first.
-        worth_a_peek = length is None or length > EARLY_DRAIN_BYTES or self.classify
-        if self.model_pools is not None:
-            worth_a_peek = False  # the body's model says which pool's gate to ask
-        if begun is None and worth_a_peek and self.refused_at_once(tier, length):
+        pooled = self.model_pools is not None
+        peek = peek_first(length, classify=self.classify, pooled=pooled)
+        if begun is None and peek and self.refused_at_once(tier, length):
             # Decided from the head alone: the body is neither read nor parsed for a 429.
             await self.refuse_early(down, tier, path=path, length=length)
             return
@@ -409,15 +357,12 @@ class ProxyApp:
             await self.too_many_requests(down, result.retry_after_s)
 
     def refused_at_once(self, tier: Tier, length: int | None) -> bool:
-        """The gate would refuse a slot request now, with no wait: a pure peek at the engine's
-        state (nothing is applied)."""
-        engine = self.engine
-        # Id 0 is never one of the engine's, and the step is dropped: nothing is applied.
-        attempt = Arrived(
-            at=engine.seconds_since_start(), request_id=0, tier=tier, body_bytes=length
+        """The gate would refuse a slot request now, with no wait (a peek: nothing applied;
+        id 0 is never one of the engine's)."""
+        at = self.engine.seconds_since_start()
+        return refuses_at_once(
+            self.engine.state, Arrived(at=at, request_id=0, tier=tier, body_bytes=length)
         )
-        step = apply_guard_event(engine.state, attempt)
-        return isinstance(step.outcome, Rejected)
 
     async def refuse_early(
         self, down: Downstream, tier: Tier, *, path: str, length: int | None
@@ -498,7 +443,7 @@ class ProxyApp:
                 return
             if rewritten is _REFUSE:
                 notes.code = RejectCode.BACKEND_PRIORITY_INJECTION
-                slot.engine.refused_after_admission(slot.tier)
+                slot.engine.tell(RefusedAfterAdmission, slot.tier)
                 await down.skip_body()
                 await self.too_many_requests(down)
                 status = 429
@@ -534,7 +479,7 @@ class ProxyApp:
         # The walk is synchronous here, so the JSON_CLASSIFY_LIMIT slots are never all busy.
         tokens = output_token_intent(b"".join(body), self.classify_fields)
         if tokens is not None and self.adaptive_config is not None:
-            self.engine.output_intent(tokens)
+            self.engine.tell(OutputIntentObserved, tokens)
         return tokens
 
     def current_output_thresholds(self) -> Thresholds:

@@ -30,7 +30,8 @@ import h11
 import trio
 
 from guard_adapters._errors import BodyRewriteError
-from guard_adapters.affinity_key import affinity_key
+from guard_adapters.affinity_key import AffinityKeying
+from guard_adapters.backends import UpstreamTarget, budget
 from guard_adapters.exchange import (
     GATEWAY_TIMEOUT_BODY,
     chunked_passthrough,
@@ -38,27 +39,27 @@ from guard_adapters.exchange import (
     content_length,
     first_header,
     low_load,
+    opens_bridge,
     upstream_headers,
     without_length,
 )
 from guard_adapters.openai_body import StreamingRewriter
 from guard_adapters.outcome import Bridge, Disconnect, ExchangeNotes
-from guard_adapters.sse import FirstUsefulEventScanner, is_streaming_request
+from guard_adapters.sse import FirstUsefulEventScanner
 from guard_core import Lane, Tier
 from guard_core.affinity import build_ring
-from guard_core.backend_choice import backend_views, choose_backend, is_probe
-from guard_core.pool_routing import candidates, route
+from guard_core.backend_pick import Routing, pick_backend
+from guard_core.health import ProbeSent
+from guard_core.traffic import BackendFinished, BackendForwarded
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
-from guard_trio._copy import KEEPALIVE_COMMENT, copy_body, copy_chunked, send_head
-from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
+from guard_trio._copy import KEEPALIVE_COMMENT, Watch, copy_body, copy_chunked, send_head
+from guard_trio._downstream import ClientGone, Downstream, ResponseAborted, read_up_to
 from guard_trio._engine import GuardEngine, Slot
 from guard_trio._health import BackendHealthReports, EngineRefused
 from guard_trio._upstream import (
     IdleGuard,
     UpstreamConnection,
     UpstreamError,
-    UpstreamTarget,
-    budget,
 )
 
 if TYPE_CHECKING:
@@ -70,7 +71,6 @@ _JSON = (b"content-type", b"application/json")
 #: ``SSE_EARLY_BRIDGE_ENABLED``: how long a streamed request waits for the backend's head before
 #: the client gets its 200 stream anyway.
 BRIDGE_GRACE_S = 0.5
-_BRIDGE_SAFE_BODY = 524_288
 _BRIDGE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -101,34 +101,27 @@ class Relay:
         self.upstream_head_timeout_s = budget(env.pig_upstream_head_timeout_seconds)
         self.upstream_idle_timeout_s = budget(env.pig_upstream_idle_timeout_seconds)
         self.health = BackendHealthReports(self.pools.of_backend, backends=len(self.targets))
-        #: ``PIG_ROUTING=guard``: the affinity ring of the backends, built once.
-        self.ring = build_ring(self.target_names) if settings.guard_routing else None
-        self.affinity_header = env.pig_affinity_header.strip().lower().encode()
-        self.affinity_bound = float(env.pig_affinity_bound)
-        self.affinity_prefix_bytes = int(env.pig_affinity_prefix_bytes)
+        #: ``PIG_ROUTING=guard``: the affinity ring of the backends (built once) and bound.
+        self.routing = Routing(
+            poll_interval_s=env.dynamic_poll_interval_ms / 1000,
+            dynamic=settings.dynamic_enabled,
+            ring=build_ring(self.target_names) if settings.guard_routing else None,
+            bound=float(env.pig_affinity_bound),
+        )
+        self.keying = (
+            AffinityKeying(
+                env.pig_affinity_header.strip().lower().encode(),
+                int(env.pig_affinity_prefix_bytes),
+            )
+            if settings.guard_routing
+            else None
+        )
 
     def low_load(self, slot: Slot | None = None) -> bool:
         """PIG's gate for SSE keep-alive and the early bridge: quiet backend, empty queue (of
         the pool the slot was taken in)."""
         engine = self.engine if slot is None else slot.engine
         return low_load(engine.state.gate, dynamic=self.settings.dynamic_enabled)
-
-    def affinity_key(
-        self, headers: list[tuple[bytes, bytes]], body: list[bytes] | None
-    ) -> int | None:
-        """The request's affinity key under ``PIG_ROUTING=guard``: the trusted session header
-        (``PIG_AFFINITY_HEADER``), else the body's ``user`` or prompt prefix (a held body)."""
-        if self.ring is None:
-            return None
-        session = first_header(headers, self.affinity_header) if self.affinity_header else None
-        if not session and body is None:
-            return None
-        found = affinity_key(
-            b"".join(body) if body else b"",
-            session=session,
-            prefix_bytes=self.affinity_prefix_bytes,
-        )
-        return None if found is None else found.key
 
     def pick_backend(
         self,
@@ -138,46 +131,27 @@ class Relay:
         body_bytes: int | None = None,
         engine: GuardEngine | None = None,
     ) -> tuple[int, bool] | None:
-        """The backend to send to, and whether the request is its half-open probe (told to the
-        core); ``tried``: backends it already went to (``None``: no other one takes work).
-        Under ``PIG_ROUTING=guard`` the pool router picks (``key``: the request's affinity
-        key); PIG's backend choice otherwise, and whenever the router finds no backend."""
+        """The backend to send to (:func:`guard_core.backend_pick.pick_backend`, over the state
+        of ``engine``, the pool's), and whether the request is its half-open probe (told to the
+        core); ``tried``: backends it already went to (``None``: no other one takes work)."""
         if len(self.targets) == 1:
             return None if tried else (0, False)
-        engine = engine or self.engine  # the pool's, whose backends the choice is among
-        state = engine.state
-        policy = state.config.policy
+        engine = engine or self.engine
         now = engine.seconds_since_start()
-        views = backend_views(self.target_names, state.published, state.traffic, state.health)
-        chosen: int | None = None
-        if self.ring is not None:
-            pool = candidates(
-                views,
-                now=now,
-                predictive=state.predictive,
-                body_bytes=body_bytes,
-                tried=tried,
-                capacity_ratio=policy.capacity_ratio,
-                target_user_tps=policy.user_tps_yellow,
-            )
-            routed = route(pool, ring=self.ring, key=key, bound=self.affinity_bound)
-            chosen = None if routed is None else routed.index
-        if chosen is None:
-            chosen = choose_backend(
-                views,
-                now=now,
-                poll_interval_s=self.settings.env.dynamic_poll_interval_ms / 1000,
-                dynamic=self.settings.dynamic_enabled,
-                capacity_ratio=policy.capacity_ratio,
-                target_user_tps=policy.user_tps_yellow,
-                tried=tried,
-            )
-        if chosen is None:
+        picked = pick_backend(
+            engine.state,
+            self.target_names,
+            self.routing,
+            now=now,
+            key=key,
+            body_bytes=body_bytes,
+            tried=tried,
+        )
+        if picked is None:
             return None
-        probe = is_probe(views[chosen], now=now)
-        if probe:
-            engine.probe_sent(self.target_names[chosen])
-        return chosen, probe
+        if picked.probe:
+            engine.tell(ProbeSent, self.target_names[picked.index])
+        return picked.index, picked.probe
 
     async def forward(  # noqa: PLR0915 - one request's attempts, read top to bottom
         self,
@@ -198,7 +172,7 @@ class Relay:
         ``allowed``: the backends of the request's model (``PIG_POOLS``); None: any."""
         proxy_started = trio.current_time()
         body_length = sum(len(c) for c in body) if body is not None else content_length(headers)
-        key = self.affinity_key(headers, body)
+        key = None if self.keying is None else self.keying.key(headers, body)
         # Backends outside the model's pool count as tried: never picked, never retried on.
         outside = (
             frozenset()
@@ -227,11 +201,8 @@ class Relay:
         bridge = (
             self.sse_early_bridge
             and slot is not None
-            and body is not None
-            and body_length is not None
-            and body_length < _BRIDGE_SAFE_BODY
-            and is_streaming_request(first_header(headers, b"accept"), b"".join(body))
-            and self.low_load(slot)
+            and rewriter is None
+            and opens_bridge(headers, body, quiet=self.low_load(slot))
         )
         # A request whose body we hold (or that has none) can be sent again when a kept-alive
         # connection fails before the request was fully written. Once it was written, only an
@@ -289,7 +260,7 @@ class Relay:
                         if again is None:
                             probe = False  # its verdict is told
                             return await self.upstream_failed(down, refused=refused)
-                        self.pools.of_backend(target.name).finished(target.name)
+                        self.pools.of_backend(target.name).tell(BackendFinished, target.name)
                         (index, probe), fresh = again, False
                         tried.add(index)
                         target = self.send_to(index, notes)
@@ -305,7 +276,7 @@ class Relay:
         finally:
             if probe:
                 self.health.probe_ended(target.name, up)
-            self.pools.of_backend(target.name).finished(target.name)
+            self.pools.of_backend(target.name).tell(BackendFinished, target.name)
             notes.proxy_s = trio.current_time() - proxy_started
         return status
 
@@ -313,7 +284,7 @@ class Relay:
         """The request goes to backend ``index`` now: noted, counted, told to the core."""
         target = self.targets[index]
         notes.backend = target.name
-        self.pools.of_backend(target.name).forwarded(target.name)
+        self.pools.of_backend(target.name).tell(BackendForwarded, target.name)
         self.backend_metrics[index].accepted.inc()  # a moment, not an outcome: counted now
         return target
 
@@ -460,29 +431,14 @@ class Relay:
             method=method,
             client_version=down.h11.their_http_version or b"",
         )
-        comments = self.metrics.sse_keepalive_comments
         with IdleGuard(self.upstream_idle_timeout_s) as guard:
+            watch = Watch(
+                guard, self.metrics.sse_keepalive_comments, scanner, slot, keepalive=keepalive
+            )
             if fast:
-                await copy_chunked(
-                    down,
-                    up,
-                    head,
-                    scanner=scanner,
-                    slot=slot,
-                    keepalive=keepalive,
-                    guard=guard,
-                    comments=comments,
-                )
-            elif head is None or await send_head(down, up, head, scanner=scanner, slot=slot):
-                await copy_body(
-                    down,
-                    up,
-                    scanner=scanner,
-                    slot=slot,
-                    keepalive=keepalive,
-                    guard=guard,
-                    comments=comments,
-                )
+                await copy_chunked(down, up, head, watch)
+            elif head is None or await send_head(down, up, head, watch):
+                await copy_body(down, up, watch)
 
     async def head_timed_out(self, down: Downstream) -> int:
         """The backend sent no response head within its budget: 504, the connection closed."""
@@ -549,17 +505,8 @@ class Relay:
     ) -> int:
         """A 500 that may be the client's fault: read up to 64 KiB and rewrite it if so."""
         status = event.status_code
-        chunks: list[bytes] = []
-        size = 0
-        complete = False
-        while size <= BODY_LIMIT:
-            part = await up.next_event()
-            if isinstance(part, h11.Data):
-                chunks.append(bytes(part.data))
-                size += len(part.data)
-            elif isinstance(part, h11.EndOfMessage):
-                complete = True
-                break
+        chunks, end = await read_up_to(up.next_event, BODY_LIMIT)
+        complete = end is not None
         down.notes.ttfb_s = trio.current_time() - started
         if complete:
             body = b"".join(chunks)
@@ -577,12 +524,5 @@ class Relay:
             h11.Data(data=b"".join(chunks)),
         )
         with IdleGuard(self.upstream_idle_timeout_s) as guard:
-            await copy_body(
-                down,
-                up,
-                scanner=None,
-                slot=None,
-                guard=guard,
-                comments=self.metrics.sse_keepalive_comments,
-            )
+            await copy_body(down, up, Watch(guard, self.metrics.sse_keepalive_comments))
         return status

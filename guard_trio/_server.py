@@ -23,47 +23,34 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Iterator
-from urllib.parse import urlsplit
 
 import attrs
 import h11
 import trio
 
+from guard_adapters.answers import (
+    BodyLimits,
+    BodyRefused,
+    RefusedRequest,
+    body_refusal,
+    head_refusal,
+)
+from guard_adapters.backends import poll_sources
 from guard_adapters.config import Settings
-from guard_adapters.exchange import openai_error
 from guard_adapters.outcome import ExchangeNotes
 from guard_adapters.status_line import runtime_counts, startup_line, status_line
 from guard_core import GuardConfig
 from guard_trio import __version__
-from guard_trio._downstream import (
-    BodyLimits,
-    BodyRefused,
-    ClientGone,
-    Downstream,
-    RefusedRequest,
-    ResponseAborted,
-)
+from guard_trio._downstream import ClientGone, Downstream, ResponseAborted
 from guard_trio._engine import Attempt, GuardEngine, PoolEngines, RequestListener
 from guard_trio._observability import CONTENT_TYPE, GuardMetrics
-from guard_trio._poller import MetricsSource, Poller, PollReport
+from guard_trio._poller import Poller, PollReport
 from guard_trio._proxy import ProxyApp
 from guard_trio._upstream import UpstreamPool
 
 __all__ = ("GuardServer",)
 
 log = logging.getLogger("inference_guard")
-
-_REASONS = {
-    400: b"bad request\n",
-    408: b"request timeout\n",
-    431: b"request header fields too large\n",
-}
-#: OpenAI-style bodies for the refusals of a request body.
-_BODY_ERRORS = {
-    400: openai_error(b"Malformed request body", b"BadRequestError", 400),
-    408: openai_error(b"Request body not received in time", b"RequestTimeoutError", 408),
-    413: openai_error(b"Request body too large", b"RequestTooLargeError", 413),
-}
 
 
 class GuardServer:
@@ -114,19 +101,7 @@ class GuardServer:
             idle_timeout_s=float(env.pig_body_idle_timeout_seconds),
             total_timeout_s=float(env.pig_body_timeout_seconds),
         )
-        if settings.backend_routing:
-            # Several backends: each is polled under its own name, and its /health too, so that
-            # a backend whose engine died stops being chosen even if its /metrics still answers.
-            sources = tuple(
-                MetricsSource(name=b.name, url=b.metrics_url, health_url=_health_url(b.upstream))
-                for b in settings.backends
-                if b.metrics_url
-            )
-        else:
-            sources = tuple(
-                MetricsSource(name=f"metrics{i}", url=url)
-                for i, url in enumerate(settings.metrics_urls, start=1)
-            )
+        sources = poll_sources(settings)
         interval_s = settings.env.dynamic_poll_interval_ms / 1000
         # Each pool's engine learns from its own backends' pages; the first pool's poller is
         # the one the recorder, the metrics page and the admin plane follow.
@@ -273,10 +248,8 @@ class GuardServer:
             except RefusedRequest as refused:
                 down.notes = ExchangeNotes(trace_id=self.app.trace_id([]))
                 if down.can_respond:
-                    body = _REASONS.get(refused.status, b"bad request\n")
-                    headers = [(b"content-type", b"text/plain"), (b"connection", b"close")]
                     with contextlib.suppress(ClientGone):
-                        await down.respond(refused.status, headers, body)
+                        await down.respond(refused.status, *head_refusal(refused.status))
                 return None
             finally:
                 self._connections[down] = None
@@ -371,12 +344,8 @@ async def _refuse_body(down: Downstream, refused: BodyRefused) -> None:
     down.closing = True
     if not down.can_respond:
         return
-    body = _BODY_ERRORS.get(refused.status) or openai_error(
-        b"Malformed request body", b"BadRequestError", refused.status
-    )
-    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
     with contextlib.suppress(ClientGone):
-        await down.respond(refused.status, headers, body)
+        await down.respond(refused.status, *body_refusal(refused.status))
 
 
 def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -389,12 +358,6 @@ def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 #: How often idle backend connections are checked for a close from the backend.
 _POOL_SWEEP_S = 2.0
-
-
-def _health_url(upstream: str) -> str:
-    """The engine's health route: ``/health`` at the root of the backend's host (vLLM, SGLang)."""
-    parts = urlsplit(upstream)
-    return f"{parts.scheme}://{parts.netloc}/health"
 
 
 def _pool_engines(

@@ -17,19 +17,17 @@ Guarantees:
 
 from __future__ import annotations
 
-import math
 import re
 import socket
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from urllib.parse import urlsplit
 
-import attrs
 import h11
 import trio
 
+from guard_adapters.backends import UpstreamTarget
 from guard_core import GuardError
 from guard_trio._downstream import ResponseAborted, receive_fast, send_fast, stdlib_socket
 
@@ -38,8 +36,6 @@ __all__ = (
     "UpstreamConnection",
     "UpstreamError",
     "UpstreamPool",
-    "UpstreamTarget",
-    "budget",
 )
 
 _READ_SIZE = 65536
@@ -59,29 +55,6 @@ class UpstreamError(GuardError):
     def __init__(self, message: str, *, unsent: bool = False) -> None:
         super().__init__(message)
         self.unsent = unsent
-
-
-@attrs.frozen
-class UpstreamTarget:
-    """Where one backend lives."""
-
-    name: str
-    scheme: str
-    host: str
-    port: int
-    #: ``host:port`` as the Host header of upstream requests.
-    authority: str
-    #: Path prefix of the upstream URL ("" or "/something").
-    base_path: str
-
-    @classmethod
-    def from_url(cls, name: str, url: str) -> UpstreamTarget:
-        parts = urlsplit(url)
-        secure = parts.scheme == "https"
-        port = parts.port or (443 if secure else 80)
-        host = parts.hostname or ""
-        authority = parts.netloc.rpartition("@")[2]
-        return cls(name, parts.scheme, host, port, authority, parts.path.rstrip("/"))
 
 
 class UpstreamConnection:
@@ -377,11 +350,6 @@ class UpstreamPool:
         for idle in self._idle.values():
             while idle:
                 await idle.pop().aclose()
-
-
-def budget(seconds: float) -> float:
-    """A timeout setting in seconds, 0 meaning none."""
-    return float(seconds) if seconds > 0 else math.inf
 
 
 class IdleGuard:

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import trio
 
-from guard_trio._downstream import MAX_HEADER_BYTES, MAX_HEADERS
+from guard_adapters.http_head import MAX_REQUEST_HEAD_BYTES as MAX_HEADER_BYTES
+from guard_adapters.http_head import MAX_REQUEST_HEADERS as MAX_HEADERS
 from tests.integration.hostile.conftest import CountingUpstream, raw_exchange
 
 OK_RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"

@@ -15,8 +15,9 @@ import trio.testing
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from guard_adapters.answers import RefusedRequest
 from guard_adapters.http_head import read_simple_request
-from guard_trio._downstream import Downstream, RefusedRequest
+from guard_trio._downstream import Downstream
 
 
 def _full_reader(data: bytes) -> tuple[h11.Request, int] | None:

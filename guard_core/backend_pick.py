@@ -1,0 +1,88 @@
+"""Which backend of a pool one request goes to: the pool router or PIG's choice, over the state
+the core keeps.
+
+Reads: the pool's :class:`~guard_core.guard.GuardState` (published figures, requests in flight
+per backend, health, the predictive learner), the backends' names in configuration order, the
+request's affinity key and body size, the backends it already went to, and ``now``.
+Guarantees:
+- under :class:`Routing` with a ring (``PIG_ROUTING=guard``) the pool router
+  (:func:`guard_core.pool_routing.route`) chooses; PIG's backend choice
+  (:func:`guard_core.backend_choice.choose_backend`) does otherwise, and whenever the router
+  finds no backend;
+- a backend in ``tried`` is never picked; ``None`` when no backend may take the request;
+- the pick says whether it is the backend's half-open probe, for the shell to tell the core;
+- pure: the same inputs give the same pick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from guard_core.affinity import DEFAULT_BOUND, Ring
+from guard_core.backend_choice import backend_views, choose_backend, is_probe
+from guard_core.guard import GuardState
+from guard_core.pool_routing import candidates, route
+
+__all__ = ("Pick", "Routing", "pick_backend")
+
+
+@attrs.frozen
+class Routing:
+    """How a pool routes: the affinity ring (None: PIG's choice alone), the load bound, and
+    the poll interval and mode PIG's choice reads."""
+
+    poll_interval_s: float
+    dynamic: bool
+    ring: Ring | None = None
+    bound: float = DEFAULT_BOUND
+
+
+@attrs.frozen
+class Pick:
+    """The backend's index in the names given, and whether the request is its probe."""
+
+    index: int
+    probe: bool
+
+
+def pick_backend(
+    state: GuardState,
+    names: Sequence[str],
+    routing: Routing,
+    *,
+    now: float,
+    key: int | None = None,
+    body_bytes: int | None = None,
+    tried: frozenset[int] = frozenset(),
+) -> Pick | None:
+    """The backend for one request (see the module rules)."""
+    policy = state.config.policy
+    views = backend_views(names, state.published, state.traffic, state.health)
+    chosen: int | None = None
+    if routing.ring is not None:
+        pool = candidates(
+            views,
+            now=now,
+            predictive=state.predictive,
+            body_bytes=body_bytes,
+            tried=tried,
+            capacity_ratio=policy.capacity_ratio,
+            target_user_tps=policy.user_tps_yellow,
+        )
+        routed = route(pool, ring=routing.ring, key=key, bound=routing.bound)
+        chosen = None if routed is None else routed.index
+    if chosen is None:
+        chosen = choose_backend(
+            views,
+            now=now,
+            poll_interval_s=routing.poll_interval_s,
+            dynamic=routing.dynamic,
+            capacity_ratio=policy.capacity_ratio,
+            target_user_tps=policy.user_tps_yellow,
+            tried=tried,
+        )
+    if chosen is None:
+        return None
+    return Pick(chosen, is_probe(views[chosen], now=now))
