@@ -357,7 +357,7 @@ class _Run:
         req.backend = backend
         self.loads[backend] += 1
         if self.guard is not None and len(self.names) > 1:
-            sent = BackendForwarded(at=at, backend=self.names[backend])
+            sent = BackendForwarded(at=at, backend=self.names[backend], request_id=req.rid)
             self.guard = apply_guard_event(self.guard, sent).state
         request = self._sim_request(req)
         try:

@@ -68,6 +68,8 @@ __all__ = (
     "polled",
     "published_cap",
     "retry_after_s",
+    "sent_to",
+    "speed_cap",
 )
 
 #: Each interval the fit learns from spans this many polls (overlapping): a prompt is counted by
@@ -233,6 +235,8 @@ class _Tracked:
     #: Predicted seconds from forwarding to the first token, when it was forwarded.
     predicted_first_s: float = 0.0
     first_at: float | None = None
+    #: The backend it was sent to, when the runtime said (:func:`sent_to`).
+    backend: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -278,6 +282,10 @@ class PredictiveState:
     #: predictions are trusted up to twice that.
     trusted_decoders: float = 0.0
     inter_token_s: float | None = None
+    #: The backends healthy at the latest poll, in poll order, and when each backend's fit last
+    #: learned from an interval (the pool rules, :mod:`guard_core.pool_fit`, read them).
+    backends: tuple[str, ...] = ()
+    fitted_at: Mapping[str, float] = attrs.field(factory=dict)
     #: The explanation behind the latest published cap (the latest verdict is the guard's:
     #: ``GuardState.verdict``).
     last_cap: Prediction | None = None
@@ -318,12 +326,12 @@ class PredictiveState:
             return next(iter(fits.values()))
         return max(fits.values(), key=lambda fit: fit.decode_step_s(32, 0.3))
 
-    def speed_target(self) -> float:
+    def speed_target(self, fit: EngineFit | None = None) -> float:
         """The per-user speed admission keeps: the yellow target, or, on an engine too slow to
-        give even one user that (as fitted), nearly its best single-user speed, never below
-        the red floor."""
+        give even one user that (as fitted: ``fit``, by default :meth:`fit`), nearly its best
+        single-user speed, never below the red floor."""
         config = self.config
-        best = 1.0 / self.fit().decode_step_s(1.0, self.kv_usage)
+        best = 1.0 / (fit or self.fit()).decode_step_s(1.0, self.kv_usage)
         if best >= config.user_tps_target / _TARGET_SHARE:
             return config.user_tps_target
         return max(config.user_tps_floor, min(config.user_tps_target, _TARGET_SHARE * best))
@@ -347,6 +355,18 @@ class PredictiveState:
             kv_usage=kv,
             chunk=self.config.batch_tokens,
         )
+
+    def kv_per_request(self, at: float) -> float:
+        """The KV usage one request in flight holds, as learned (0 until learned)."""
+        inflight = self.decoders + self.pending_count
+        if self.kv_per_token is None or not inflight:
+            return 0.0
+        return self.kv_per_token * self.tokens_in_flight(at) / inflight
+
+    def trusted_load(self) -> float:
+        """The most requests in flight per backend the fit is trusted to predict (the trust
+        region: it grows with the load seen, like TCP's slow start)."""
+        return max(_TRUST_FLOOR, _TRUST_GROWTH * self.trusted_decoders)
 
     def tokens_in_flight(self, at: float) -> float:
         """Prompt plus generated tokens the forwarded requests hold, estimated."""
@@ -395,6 +415,17 @@ def forwarded(
             premium_at=max(at, state.premium_at),
         )
     return state
+
+
+def sent_to(state: PredictiveState, request_id: int, backend: str) -> PredictiveState:
+    """A forwarded request went to ``backend`` (a pool's rules then see each backend's own
+    prefill queue and decoders; the single-engine rules never read it)."""
+    tracked = state.requests.get(request_id)
+    if tracked is None or tracked.backend == backend:
+        return state
+    return _replace(
+        state, requests={**state.requests, request_id: attrs.evolve(tracked, backend=backend)}
+    )
 
 
 def first_token(state: PredictiveState, request_id: int | None, *, at: float) -> PredictiveState:
@@ -540,6 +571,12 @@ def polled(state: PredictiveState, polls: tuple[BackendPoll, ...], *, at: float)
         "fits": fits,
         "samples": samples,
         "healthy": healthy,
+        "backends": tuple(poll.name for poll in polls if poll.sample is not None),
+        # A fit that changed learned from an interval now.
+        "fitted_at": {
+            **state.fitted_at,
+            **{name: at for name, fit in fits.items() if fit is not state.fits.get(name)},
+        },
         "trusted_decoders": max([state.trusted_decoders * _TRUST_DECAY, *seen]),
     }
     if healthy:
@@ -608,8 +645,7 @@ def _predict(
         queued, decoders=now_decoding, kv_usage=kv, chunk=config.batch_tokens
     ) - fit.idle_prefill_s(tokens, chunk=config.batch_tokens)
     ttft = max(0.0, ttft) * (state.ttft_ratio or 1.0) + max(0.0, waited_s)
-    trusted = max(_TRUST_FLOOR, _TRUST_GROWTH * state.trusted_decoders)
-    if decoders > trusted:
+    if decoders > state.trusted_load():
         binding = Binding.UNTRIED
     elif speed < state.speed_target():
         binding = Binding.SPEED
@@ -665,26 +701,17 @@ def published_cap(state: PredictiveState, *, at: float) -> Prediction:
     share = max(1, state.healthy)
     fit = state.fit()
     prompt_tps = state.admitted_decayed(at) / state.horizon / share
-    inflight = state.decoders + state.pending_count
-    per_request_kv = 0.0
-    if state.kv_per_token is not None and inflight:
-        per_request_kv = state.kv_per_token * state.tokens_in_flight(at) / inflight
+    per_request_kv = state.kv_per_request(at)
     limit = config.global_limit
-    target = state.speed_target()
-
-    def fast_enough(count: int) -> bool:
-        per_backend = count / share
-        kv = min(1.0, per_request_kv * per_backend)
-        return 1.0 / fit.inter_token_s(per_backend, kv, prompt_tps) >= target
-
-    low, high = 0, limit
-    while low < high:
-        middle = (low + high + 1) // 2
-        if fast_enough(middle):
-            low = middle
-        else:
-            high = middle - 1
-    trusted = int(max(_TRUST_FLOOR, _TRUST_GROWTH * state.trusted_decoders) * share)
+    low = speed_cap(
+        fit,
+        target=state.speed_target(),
+        prompt_tps=prompt_tps,
+        per_request_kv=per_request_kv,
+        limit=limit,
+        share=share,
+    )
+    trusted = int(state.trusted_load() * share)
     untried = low > trusted
     cap = max(1, min(low, trusted)) if limit > 0 else 0
     per_backend = cap / share
@@ -703,6 +730,34 @@ def published_cap(state: PredictiveState, *, at: float) -> Prediction:
         fit=FitSummary.of(fit),
         cap=cap,
     )
+
+
+def speed_cap(
+    fit: EngineFit,
+    *,
+    target: float,
+    prompt_tps: float,
+    per_request_kv: float,
+    limit: int,
+    share: int = 1,
+) -> int:
+    """The most requests in flight (0 to ``limit``), spread evenly over ``share`` engines of this
+    fit that each take prompts at ``prompt_tps``, that keep every decoding user at ``target``
+    tokens per second or faster (a binary search: the predicted speed falls as load grows)."""
+
+    def fast_enough(count: int) -> bool:
+        per_backend = count / share
+        kv = min(1.0, per_request_kv * per_backend)
+        return 1.0 / fit.inter_token_s(per_backend, kv, prompt_tps) >= target
+
+    low, high = 0, limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fast_enough(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def retry_after_s(state: PredictiveState, prediction: Prediction, *, at: float) -> int:

@@ -36,6 +36,7 @@ from guard_core.events import (
     RequestEvent,
     Retried,
 )
+from guard_core.pool_admission import is_pool, pool_assess
 from guard_core.predictive import Prediction
 from guard_core.prefill_guard import grace_s
 from guard_core.tier import Tier, premium_reserved
@@ -107,9 +108,19 @@ def _predictive_attempt(
         reserve = 0
         if tier is Tier.BASIC:
             reserve = max(0, premium_reserved(limit, gate.premium_inflight) - gate.premium_inflight)
-        verdict = predictive_rules.assess(
-            predictive, body_bytes, reserve=reserve, waited_s=waited, at=event.at
-        )
+        if is_pool(predictive):
+            verdict = pool_assess(
+                predictive,
+                dict(state.traffic.inflight),
+                body_bytes,
+                reserve=reserve,
+                waited_s=waited,
+                at=event.at,
+            )
+        else:
+            verdict = predictive_rules.assess(
+                predictive, body_bytes, reserve=reserve, waited_s=waited, at=event.at
+            )
         if not verdict.admit:
             step = gate_rules.refuse(gate, event, RejectCode.GLOBAL_DYNAMIC_LIMIT)
         return step, verdict.prediction
