@@ -13,7 +13,8 @@ The order (best first):
    by predicted per-user speed, fastest first; the others after them, by predicted TTFT,
    soonest first;
 2. with a score only: by score, lowest first;
-3. with neither: by load, lightest first.
+3. with neither: by pending prefill (the prompt tokens sent to it still without a first token),
+   least first, then by load, lightest first (all pending figures 0: by load alone).
 
 Equal ranks keep configuration order.
 
@@ -50,6 +51,10 @@ class Candidate:
     outlook: BackendOutlook | None = None
     #: PIG's :func:`~guard_core.backend_choice.backend_score` (lower is better).
     score: float | None = None
+    #: Prompt tokens sent to it still waiting for their first token (0: not known).
+    pending_tokens: float = 0.0
+    #: Prompt tokens of this request its prefix cache is expected to hold (0: none known).
+    cached_tokens: float = 0.0
 
 
 def pig_room(view: BackendView, *, target_user_tps: float) -> bool:
@@ -64,14 +69,14 @@ def pig_room(view: BackendView, *, target_user_tps: float) -> bool:
     return view.generation_tps / view.running >= target_user_tps
 
 
-def rank_key(candidate: Candidate) -> tuple[int, float]:
+def rank_key(candidate: Candidate) -> tuple[int, float, float]:
     """The sort key of a candidate: smaller is better (see the module notes)."""
     seen = candidate.outlook
     if seen is not None:
-        return (0, -seen.user_tps) if seen.ttft_within else (1, seen.ttft_s)
+        return (0, -seen.user_tps, 0.0) if seen.ttft_within else (1, seen.ttft_s, 0.0)
     if candidate.score is not None:
-        return (0, candidate.score)
-    return (0, float(candidate.load))
+        return (0, candidate.score, 0.0)
+    return (0, candidate.pending_tokens, float(candidate.load))
 
 
 def ranked(candidates: Sequence[Candidate]) -> tuple[int, ...]:
