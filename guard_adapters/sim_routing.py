@@ -85,8 +85,9 @@ class RoutingView:
     cache_tokens: int | None = None
     at: float = 0.0
 
-    def pending_of(self, index: int) -> float:
-        return float(self.pending_tokens[index]) if self.pending_tokens else 0.0
+    def pending_of(self, index: int) -> float | None:
+        """The backend's pending prefill, ``None`` when the view has no such figures."""
+        return float(self.pending_tokens[index]) if self.pending_tokens else None
 
 
 class Router(Protocol):

@@ -50,6 +50,7 @@ from guard_core.predictive import (
     Prediction,
     PredictiveState,
     Verdict,
+    cap_prediction,
     speed_cap,
 )
 
@@ -95,18 +96,8 @@ def pool_cap(state: PredictiveState, *, at: float) -> Prediction:
     cap = min(limit, total) if limit > 0 else 0
     shown = slowest[1] if slowest is not None else state.fit()
     inter_token = slowest[0] if slowest is not None else math.inf
-    return Prediction(
-        user_tps=0.0 if math.isinf(inter_token) else 1.0 / inter_token,
-        ttft_s=shown.prefill_s(
-            state.pending_tokens / count,
-            decoders=state.decoders / count,
-            kv_usage=state.kv_usage,
-            chunk=config.batch_tokens,
-        ),
-        kv_usage=state.kv_usage,
-        binding=Binding.UNTRIED if untried else Binding.SPEED if cap < limit else Binding.NONE,
-        fit=FitSummary.of(shown),
-        cap=cap,
+    return cap_prediction(
+        state, shown, cap=cap, untried=untried, inter_token=inter_token, share=count
     )
 
 

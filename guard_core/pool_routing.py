@@ -17,10 +17,11 @@ The order:
    warm where that saves more prefill than the queue in front of it costs (with neither figure
    known, both 0, affinity wins whenever it has room, as before);
 3. otherwise the best-ranked eligible backend (:func:`guard_core.ranking.best`: those with
-   room first, by predicted speed subject to TTFT, or by PIG's score), where a backend whose
-   load would pass the same bound counts as having no room: ranking may send a slow backend
-   less work, but never piles more than the bound on the fast ones, so a backend the model
-   misjudges still gets requests to learn from and the pool is never narrowed to one engine.
+   room first, by pending prefill (when known) or predicted speed subject to TTFT, or by
+   PIG's score), where a backend whose load would pass the same bound counts as having no
+   room: ranking may send a slow backend less work, but never piles more than the bound on
+   the fast ones, so a backend the model misjudges still gets requests to learn from and the
+   pool is never narrowed to one engine.
 
 Guarantees: pure and deterministic; the route names an eligible backend whenever one exists;
 no choice carries a backend past the load bound while an eligible backend with room is within
@@ -96,7 +97,8 @@ def _affinity_pays(chosen: Candidate, other: Candidate | None) -> bool:
     other backend with room (see the module notes)."""
     if other is None or not other.room:
         return True
-    return chosen.cached_tokens >= chosen.pending_tokens - other.pending_tokens
+    cost = (chosen.pending_tokens or 0.0) - (other.pending_tokens or 0.0)
+    return chosen.cached_tokens >= cost
 
 
 def candidates(
@@ -128,7 +130,10 @@ def candidates(
                 at=now,
                 loads=loads,
             )
-            own = loads.get(view.name) if loads is not None else None
+            pending: float | None = None
+            if loads is not None:
+                own = loads.get(view.name)
+                pending = own.pending_tokens if own is not None else 0.0
             built.append(
                 Candidate(
                     name=view.name,
@@ -136,7 +141,7 @@ def candidates(
                     room=seen.within_target,
                     load=view.inflight,
                     outlook=seen,
-                    pending_tokens=own.pending_tokens if own is not None else 0.0,
+                    pending_tokens=pending,
                 )
             )
         else:

@@ -62,6 +62,7 @@ __all__ = (
     "PredictiveState",
     "Verdict",
     "assess",
+    "cap_prediction",
     "finished",
     "first_token",
     "forwarded",
@@ -717,6 +718,25 @@ def published_cap(state: PredictiveState, *, at: float) -> Prediction:
     per_backend = cap / share
     kv = min(1.0, per_request_kv * per_backend)
     inter_token = fit.inter_token_s(per_backend, kv, prompt_tps)
+    return cap_prediction(
+        state, fit, cap=cap, untried=untried, inter_token=inter_token, share=share
+    )
+
+
+def cap_prediction(
+    state: PredictiveState,
+    fit: EngineFit,
+    *,
+    cap: int,
+    untried: bool,
+    inter_token: float,
+    share: int,
+) -> Prediction:
+    """The explanation of a published ``cap``: the speed it predicts (``inter_token`` seconds
+    between tokens), the TTFT of the prompts queued now spread over ``share`` engines of
+    ``fit``, and what bound it (the trust region when ``untried``, else the speed target
+    below ``GLOBAL_LIMIT``)."""
+    config = state.config
     return Prediction(
         user_tps=0.0 if math.isinf(inter_token) else 1.0 / inter_token,
         ttft_s=fit.prefill_s(
@@ -726,7 +746,11 @@ def published_cap(state: PredictiveState, *, at: float) -> Prediction:
             chunk=config.batch_tokens,
         ),
         kv_usage=state.kv_usage,
-        binding=Binding.UNTRIED if untried else Binding.SPEED if cap < limit else Binding.NONE,
+        binding=Binding.UNTRIED
+        if untried
+        else Binding.SPEED
+        if cap < config.global_limit
+        else Binding.NONE,
         fit=FitSummary.of(fit),
         cap=cap,
     )
