@@ -64,6 +64,7 @@ from guard_core.lanes import AdaptiveOutputConfig
 from guard_core.policy import PolicyConfig
 from guard_core.pool_admission import is_pool, pool_cap
 from guard_core.predictive import Prediction, PredictiveConfig, PredictiveState
+from guard_core.predictive_cap import published_cap
 from guard_core.published import Published, publish
 from guard_core.requests import Tracked
 from guard_core.traffic import (
@@ -224,7 +225,7 @@ def _predictive_decision(
     if is_pool(predictive):
         prediction = pool_cap(predictive, at=at)
     else:
-        prediction = predictive_rules.published_cap(predictive, at=at)
+        prediction = published_cap(predictive, at=at)
     predictive = attrs.evolve(predictive, last_cap=prediction)
     components = snapshot.components
     cap, reason = prediction.cap, LimitReason.PREDICTED_SPEED

@@ -6,14 +6,14 @@ requests in flight to each backend (the guard's own counts, :mod:`guard_core.tra
 one request its body size, the premium reserve it must leave, how long it waited in the guard
 and ``at``.
 
-With one backend the learner's own rules (:func:`guard_core.predictive.published_cap` and
+With one backend the learner's own rules (:func:`guard_core.predictive_cap.published_cap` and
 :func:`~guard_core.predictive.assess`) apply unchanged; these rules are only for a pool, where
 judging the whole pool by its most pessimistic backend's fit lets one backend with a bad fit
 (see :mod:`guard_core.pool_fit`) collapse the pool's cap.
 
 - :func:`pool_cap`: the pool's cap is the sum over its healthy backends of each one's cap, the
   most requests in flight that keep its decoding users at the speed target (the learner's rule,
-  :func:`~guard_core.predictive.speed_cap`, on that backend's fit and speed target, with the
+  :func:`~guard_core.predictive_cap.speed_cap`, on that backend's fit and speed target, with the
   pool's recent prompt load spread evenly), each within the learner's trust region; never more
   than ``GLOBAL_LIMIT``, at least 1 per backend when the limit allows.
 - :func:`pool_assess`: a request is admitted when some healthy backend, with its own requests
@@ -50,9 +50,8 @@ from guard_core.predictive import (
     Prediction,
     PredictiveState,
     Verdict,
-    cap_prediction,
-    speed_cap,
 )
+from guard_core.predictive_cap import cap_prediction, speed_cap
 
 __all__ = ("is_pool", "pool_assess", "pool_cap")
 

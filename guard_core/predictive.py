@@ -26,7 +26,8 @@ Guarantees:
 - each verdict and each published cap carries its explanation (:class:`Prediction`): the
   predicted speed, TTFT and KV usage, the binding constraint, and the fit;
 - with several backends the load is taken as spread evenly over the healthy ones and the most
-  pessimistic backend's fit is used.
+  pessimistic backend's fit is used (a pool's own rules are :mod:`guard_core.pool_admission`);
+- the published cap and the ``Retry-After`` of a refusal are :mod:`guard_core.predictive_cap`.
 """
 
 from __future__ import annotations
@@ -62,15 +63,11 @@ __all__ = (
     "PredictiveState",
     "Verdict",
     "assess",
-    "cap_prediction",
     "finished",
     "first_token",
     "forwarded",
     "polled",
-    "published_cap",
-    "retry_after_s",
     "sent_to",
-    "speed_cap",
 )
 
 #: Each interval the fit learns from spans this many polls (overlapping): a prompt is counted by
@@ -90,7 +87,6 @@ _MAX_DECODE_S = 60.0
 _MAX_HORIZON_S = 60.0
 #: Without a body size, a request is taken to have this many prompt tokens.
 _UNKNOWN_PROMPT_TOKENS = 512.0
-_MAX_RETRY_AFTER_S = 30
 #: On an engine that cannot reach the speed target for one user, the target becomes this share
 #: of its best single-user speed (but never below the red floor).
 _TARGET_SHARE = 0.95
@@ -692,120 +688,14 @@ def assess(
     return Verdict(prediction.binding is Binding.NONE, prediction)
 
 
-def published_cap(state: PredictiveState, *, at: float) -> Prediction:
-    """The most requests in flight that keep the speed target at the current prompt load.
-
-    The per-request checks of :func:`assess` still apply under this cap; the cap is what the
-    gate's tier rules (the premium reserve) are computed from, and what operators see.
-    """
-    config = state.config
-    share = max(1, state.healthy)
-    fit = state.fit()
-    prompt_tps = state.admitted_decayed(at) / state.horizon / share
-    per_request_kv = state.kv_per_request(at)
-    limit = config.global_limit
-    low = speed_cap(
-        fit,
-        target=state.speed_target(),
-        prompt_tps=prompt_tps,
-        per_request_kv=per_request_kv,
-        limit=limit,
-        share=share,
-    )
-    trusted = int(state.trusted_load() * share)
-    untried = low > trusted
-    cap = max(1, min(low, trusted)) if limit > 0 else 0
-    per_backend = cap / share
-    kv = min(1.0, per_request_kv * per_backend)
-    inter_token = fit.inter_token_s(per_backend, kv, prompt_tps)
-    return cap_prediction(
-        state, fit, cap=cap, untried=untried, inter_token=inter_token, share=share
-    )
+#: Moved to :mod:`guard_core.predictive_cap`; still reachable here (PEP 562) for callers that
+#: name them through this module.
+_MOVED = frozenset({"cap_prediction", "published_cap", "retry_after_s", "speed_cap"})
 
 
-def cap_prediction(
-    state: PredictiveState,
-    fit: EngineFit,
-    *,
-    cap: int,
-    untried: bool,
-    inter_token: float,
-    share: int,
-) -> Prediction:
-    """The explanation of a published ``cap``: the speed it predicts (``inter_token`` seconds
-    between tokens), the TTFT of the prompts queued now spread over ``share`` engines of
-    ``fit``, and what bound it (the trust region when ``untried``, else the speed target
-    below ``GLOBAL_LIMIT``)."""
-    config = state.config
-    return Prediction(
-        user_tps=0.0 if math.isinf(inter_token) else 1.0 / inter_token,
-        ttft_s=fit.prefill_s(
-            state.pending_tokens / share,
-            decoders=state.decoders / share,
-            kv_usage=state.kv_usage,
-            chunk=config.batch_tokens,
-        ),
-        kv_usage=state.kv_usage,
-        binding=Binding.UNTRIED
-        if untried
-        else Binding.SPEED
-        if cap < config.global_limit
-        else Binding.NONE,
-        fit=FitSummary.of(fit),
-        cap=cap,
-    )
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from guard_core import predictive_cap  # noqa: PLC0415 (it imports this module)
 
-
-def speed_cap(
-    fit: EngineFit,
-    *,
-    target: float,
-    prompt_tps: float,
-    per_request_kv: float,
-    limit: int,
-    share: int = 1,
-) -> int:
-    """The most requests in flight (0 to ``limit``), spread evenly over ``share`` engines of this
-    fit that each take prompts at ``prompt_tps``, that keep every decoding user at ``target``
-    tokens per second or faster (a binary search: the predicted speed falls as load grows)."""
-
-    def fast_enough(count: int) -> bool:
-        per_backend = count / share
-        kv = min(1.0, per_request_kv * per_backend)
-        return 1.0 / fit.inter_token_s(per_backend, kv, prompt_tps) >= target
-
-    low, high = 0, limit
-    while low < high:
-        middle = (low + high + 1) // 2
-        if fast_enough(middle):
-            low = middle
-        else:
-            high = middle - 1
-    return low
-
-
-def retry_after_s(state: PredictiveState, prediction: Prediction, *, at: float) -> int:
-    """Whole seconds until the binding constraint is predicted to have room again (1 to 30)."""
-    fit = state.fit()
-    share = max(1, state.healthy)
-    if prediction.binding is Binding.TTFT:
-        seconds = fit.prefill_s(
-            state.pending_tokens / share,
-            decoders=state.decoders / share,
-            kv_usage=state.kv_usage,
-            chunk=state.config.batch_tokens,
-        )
-    else:
-        # Speed or KV: room comes back as running requests finish; with an even spread of end
-        # times, the first of ``n`` decoders ends after about horizon / n.
-        running = max(1, state.decoders + state.pending_count)
-        seconds = state.decode_seconds / running * max(1.0, _excess(state, prediction))
-    return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(seconds)))
-
-
-def _excess(state: PredictiveState, prediction: Prediction) -> float:
-    """How many requests must end before the prediction meets its target (at least 1)."""
-    target = state.speed_target()
-    if prediction.binding is Binding.SPEED and prediction.user_tps > 0:
-        return max(1.0, (state.decoders + state.pending_count) * (1 - prediction.user_tps / target))
-    return 1.0
+        return getattr(predictive_cap, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

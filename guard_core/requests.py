@@ -38,6 +38,7 @@ from guard_core.events import (
 )
 from guard_core.pool_admission import is_pool, pool_assess
 from guard_core.predictive import Prediction
+from guard_core.predictive_cap import retry_after_s
 from guard_core.prefill_guard import grace_s
 from guard_core.tier import Tier, premium_reserved
 
@@ -157,7 +158,7 @@ def _attempt(
         if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:
             basis = prediction or model.last_cap
             if basis is not None:
-                seconds = predictive_rules.retry_after_s(model, basis, at=event.at)
+                seconds = retry_after_s(model, basis, at=event.at)
                 outcome = attrs.evolve(outcome, retry_after_s=seconds)
     traffic = state.traffic
     if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:
