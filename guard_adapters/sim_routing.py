@@ -1,27 +1,35 @@
 """How a simulated pool routes an admitted request to one of its backends.
 
-Reads: per request its prompt size, its Mooncake ``hash_ids`` (when the trace has them) and the
-body size the guard saw; the requests in flight to each backend; the guard's state when the
-policy is the guard (its published poll figures, its traffic counts and, with
-``DYNAMIC_POLICY=predictive``, the predictive learner).
+Reads: one :class:`RoutingView` per admitted request: its prompt size, its Mooncake
+``hash_ids`` (when the trace has them) and the body size the guard saw; per backend the
+requests in flight and the prompt tokens sent to it still without a first token; the size of a
+backend's prefix cache; the guard's state when the policy is the guard (its published poll
+figures, its traffic counts and, with ``DYNAMIC_POLICY=predictive``, the predictive learner).
 
 Routings:
 - ``round-robin``: backend ``k mod n`` for the ``k``-th admitted request;
 - ``least-loaded``: the fewest requests in flight, the first of equals;
 - ``guard``: :func:`guard_core.pool_routing.route`: affinity with bounded loads on the request's
-  prefix key, else the best-ranked backend. The prefix key is the hash of the leading
-  ``affinity_blocks`` ``hash_ids`` (2 by default: 2 x 512 tokens at 4 bytes a token is the
-  proxy's default 4,096 prefix bytes; in the Mooncake trace the first block is a system prompt
-  every request shares, the second starts the conversation). Ranking under the predictive
-  learner is by its per-backend outlook (:mod:`guard_core.backend_prediction`), a backend having
-  room when that outlook is within the targets; under PIG's learner by PIG's
+  prefix key where its cache gain beats the prefill queued in front, else the best-ranked
+  backend. The prefix key is the hash of the leading ``affinity_blocks`` ``hash_ids`` (2 by
+  default: 2 x 512 tokens at 4 bytes a token is the proxy's default 4,096 prefix bytes; in the
+  Mooncake trace the first block is a system prompt every request shares, the second starts
+  the conversation). The router remembers where the last ``memory`` keys went (the backend,
+  the prompt size, and the prompt tokens that backend had been sent by then): a request is
+  expected to find the earlier prompt (at most its own) cached on that backend while the prompt
+  tokens sent there since fit in its cache (the learned KV capacity, else the view's size).
+  Ranking under the predictive learner is by its per-backend outlook
+  (:mod:`guard_core.backend_prediction`), a backend having room when that outlook is within
+  the targets, and among those by pending prefill; under PIG's learner by PIG's
   :func:`~guard_core.backend_choice.backend_score`, a backend having room while its engine
   reports nothing waiting and serves its running requests at the speed target
   (:func:`~guard_core.ranking.pig_room`); without a guard (policies ``none`` and ``static``)
-  by load.
+  by pending prefill, then load.
 
-Guarantees: pure; deterministic for a sequence of calls; every answer is an index into the
-pool; a fresh router is made for each run (:func:`parse_routing`), so runs do not share state.
+Guarantees: pure apart from each router's own memory; deterministic for a sequence of calls;
+every answer is an index into the pool; a fresh router is made for each run
+(:func:`parse_routing`), so runs do not share state; the guard router's memory never holds
+more than ``memory`` keys.
 """
 
 from __future__ import annotations
@@ -267,6 +275,10 @@ class GuardRouting:
 
     def reasons(self) -> Mapping[str, int]:
         return dict(self._reasons)
+
+    def remembered(self) -> int:
+        """How many prefix keys' placements the router holds (at most ``memory``)."""
+        return len(self._placed)
 
 
 def parse_routing(
