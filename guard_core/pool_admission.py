@@ -53,7 +53,7 @@ from guard_core.predictive import (
 )
 from guard_core.predictive_cap import cap_prediction, speed_cap
 
-__all__ = ("is_pool", "pool_assess", "pool_cap")
+__all__ = ("even_spread", "is_pool", "pool_assess", "pool_cap")
 
 
 def is_pool(state: PredictiveState) -> bool:
@@ -151,9 +151,20 @@ def _judge(
     return _Judged(binding is Binding.NONE, binding, seen, kv, fit, max(0.0, waited_s))
 
 
+def even_spread(state: PredictiveState) -> dict[str, int]:
+    """The learner's requests in flight spread as evenly as counts allow over the healthy
+    backends, the first ones taking the remainder (for when the per-backend counts are not
+    known: a replayed recording holds no traffic events)."""
+    names = state.backends
+    if not names:
+        return {}
+    base, extra = divmod(len(state.requests), len(names))
+    return {name: base + (1 if index < extra else 0) for index, name in enumerate(names)}
+
+
 def pool_assess(
     state: PredictiveState,
-    inflight: Mapping[str, int],
+    inflight: Mapping[str, int] | None,
     body_bytes: int | None,
     *,
     reserve: int,
@@ -162,10 +173,13 @@ def pool_assess(
 ) -> Verdict:
     """Whether a request may be forwarded to the pool now (see the module notes).
 
-    ``inflight`` gives the requests in flight per backend (a name missing counts 0);
-    ``reserve`` the slots a basic request leaves for premium (spread over the backends as
-    extra decoders), ``waited_s`` how long it was held in the guard.
+    ``inflight`` gives the requests in flight per backend (a name missing counts 0; ``None``:
+    not known, :func:`even_spread`); ``reserve`` the slots a basic request leaves for premium
+    (spread over the backends as extra decoders), ``waited_s`` how long it was held in the
+    guard.
     """
+    if inflight is None:
+        inflight = even_spread(state)
     fits = _fits(state)
     pool_inflight = sum(max(0, inflight.get(name, 0)) for name in fits)
     extra = max(0, reserve) / max(1, len(fits))

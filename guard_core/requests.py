@@ -110,9 +110,13 @@ def _predictive_attempt(
         if tier is Tier.BASIC:
             reserve = max(0, premium_reserved(limit, gate.premium_inflight) - gate.premium_inflight)
         if is_pool(predictive):
+            # No request counted in flight while the learner tracks some: the per-backend
+            # counts are not known (a replay: recordings hold no traffic events).
+            counted = dict(state.traffic.inflight)
+            known = bool(any(counted.values()) or not predictive.requests)
             verdict = pool_assess(
                 predictive,
-                dict(state.traffic.inflight),
+                counted if known else None,
                 body_bytes,
                 reserve=reserve,
                 waited_s=waited,

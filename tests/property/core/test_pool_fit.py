@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from guard_core.backend_prediction import backend_loads
 from guard_core.engine_fit import EngineFit
-from guard_core.pool_admission import is_pool, pool_assess, pool_cap
+from guard_core.pool_admission import even_spread, is_pool, pool_assess, pool_cap
 from guard_core.pool_fit import (
     MAX_TRUSTED_ERROR,
     MIN_TRUSTED_OBSERVATIONS,
@@ -177,3 +177,17 @@ def test_each_backend_sees_its_own_prefill_queue(placed: dict[str, int]) -> None
 def test_one_backend_is_not_a_pool() -> None:
     assert not is_pool(pool({"b0": fitted()}, names=("b0",)))
     assert is_pool(pool({"b0": fitted()}, names=("b0", "b1")))
+
+
+@given(st.integers(min_value=0, max_value=40), st.integers(min_value=2, max_value=4))
+def test_unknown_counts_are_spread_evenly(requests: int, backends: int) -> None:
+    names = NAMES[:backends]
+    state = pool({name: fitted() for name in names}, names=names)
+    for rid in range(requests):
+        state = forwarded(state, rid, 4000, at=1.0)
+    spread = even_spread(state)
+    assert set(spread) == set(names)
+    assert sum(spread.values()) == requests
+    assert max(spread.values()) - min(spread.values()) <= 1
+    unknown = pool_assess(state, None, 4000, reserve=0, waited_s=0.0, at=2.0)
+    assert unknown == pool_assess(state, spread, 4000, reserve=0, waited_s=0.0, at=2.0)
