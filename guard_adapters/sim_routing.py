@@ -1,31 +1,40 @@
 """How a simulated pool routes an admitted request to one of its backends.
 
-Reads: per request its prompt size, its Mooncake ``hash_ids`` (when the trace has them) and the
-body size the guard saw; the requests in flight to each backend; the guard's state when the
-policy is the guard (its published poll figures, its traffic counts and, with
-``DYNAMIC_POLICY=predictive``, the predictive learner).
+Reads: one :class:`RoutingView` per admitted request: its prompt size, its Mooncake
+``hash_ids`` (when the trace has them) and the body size the guard saw; per backend the
+requests in flight and the prompt tokens sent to it still without a first token; the size of a
+backend's prefix cache; the guard's state when the policy is the guard (its published poll
+figures, its traffic counts and, with ``DYNAMIC_POLICY=predictive``, the predictive learner).
 
 Routings:
 - ``round-robin``: backend ``k mod n`` for the ``k``-th admitted request;
 - ``least-loaded``: the fewest requests in flight, the first of equals;
 - ``guard``: :func:`guard_core.pool_routing.route`: affinity with bounded loads on the request's
-  prefix key, else the best-ranked backend. The prefix key is the hash of the leading
-  ``affinity_blocks`` ``hash_ids`` (2 by default: 2 x 512 tokens at 4 bytes a token is the
-  proxy's default 4,096 prefix bytes; in the Mooncake trace the first block is a system prompt
-  every request shares, the second starts the conversation). Ranking under the predictive
-  learner is by its per-backend outlook (:mod:`guard_core.backend_prediction`), a backend having
-  room when that outlook is within the targets; under PIG's learner by PIG's
+  prefix key where its cache gain beats the prefill queued in front, else the best-ranked
+  backend. The prefix key is the hash of the leading ``affinity_blocks`` ``hash_ids`` (2 by
+  default: 2 x 512 tokens at 4 bytes a token is the proxy's default 4,096 prefix bytes; in the
+  Mooncake trace the first block is a system prompt every request shares, the second starts
+  the conversation). The router remembers where the last ``memory`` keys went (the backend,
+  the prompt size, and the prompt tokens that backend had been sent by then): a request is
+  expected to find the earlier prompt (at most its own) cached on that backend while the prompt
+  tokens sent there since fit in its cache (the learned KV capacity, else the view's size).
+  Ranking under the predictive learner is by its per-backend outlook
+  (:mod:`guard_core.backend_prediction`), a backend having room when that outlook is within
+  the targets, and among those by pending prefill; under PIG's learner by PIG's
   :func:`~guard_core.backend_choice.backend_score`, a backend having room while its engine
   reports nothing waiting and serves its running requests at the speed target
   (:func:`~guard_core.ranking.pig_room`); without a guard (policies ``none`` and ``static``)
-  by load.
+  by pending prefill, then load.
 
-Guarantees: pure; deterministic for a sequence of calls; every answer is an index into the
-pool; a fresh router is made for each run (:func:`parse_routing`), so runs do not share state.
+Guarantees: pure apart from each router's own memory; deterministic for a sequence of calls;
+every answer is an index into the pool; a fresh router is made for each run
+(:func:`parse_routing`), so runs do not share state; the guard router's memory never holds
+more than ``memory`` keys.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Final, Protocol
 
@@ -35,7 +44,7 @@ from guard_adapters.affinity_key import key_of
 from guard_core import GuardState
 from guard_core import affinity as affinity_rules
 from guard_core.backend_choice import backend_score, backend_views
-from guard_core.backend_prediction import outlook
+from guard_core.backend_prediction import backend_loads, outlook
 from guard_core.pool_routing import route
 from guard_core.ranking import Candidate, pig_room
 
@@ -47,12 +56,15 @@ __all__ = (
     "RoundRobin",
     "RoutedRequest",
     "Router",
+    "RoutingView",
     "parse_routing",
     "prefix_key",
 )
 
 #: Leading ``hash_ids`` blocks a simulated request's prefix key covers.
 DEFAULT_AFFINITY_BLOCKS: Final = 2
+#: Prefix keys the guard router remembers the placement of (the oldest are forgotten).
+DEFAULT_MEMORY: Final = 4096
 ROUTINGS: Final = ("round-robin", "least-loaded", "guard")
 
 
@@ -65,18 +77,31 @@ class RoutedRequest:
     hash_ids: tuple[int, ...] = ()
 
 
+@attrs.frozen(kw_only=True)
+class RoutingView:
+    """Everything a router may read to place one admitted request, at ``at``."""
+
+    request: RoutedRequest
+    #: The pool's backends, in configuration order, and per backend (aligned with ``names``)
+    #: its requests in flight and the prompt tokens sent to it still without a first token.
+    names: tuple[str, ...]
+    loads: tuple[int, ...]
+    pending_tokens: tuple[int, ...] = ()
+    #: The guard's state, when the policy is the guard (``None`` otherwise).
+    guard: GuardState | None = None
+    #: Prompt tokens one backend's prefix cache holds (``None``: not known).
+    cache_tokens: int | None = None
+    at: float = 0.0
+
+    def pending_of(self, index: int) -> float | None:
+        """The backend's pending prefill, ``None`` when the view has no such figures."""
+        return float(self.pending_tokens[index]) if self.pending_tokens else None
+
+
 class Router(Protocol):
     name: str
 
-    def choose(
-        self,
-        request: RoutedRequest,
-        names: Sequence[str],
-        loads: Sequence[int],
-        guard: GuardState | None,
-        *,
-        at: float,
-    ) -> int: ...
+    def choose(self, view: RoutingView) -> int: ...
 
     def reasons(self) -> Mapping[str, int]: ...
 
@@ -95,16 +120,8 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(
-        self,
-        request: RoutedRequest,
-        names: Sequence[str],
-        loads: Sequence[int],
-        guard: GuardState | None,
-        *,
-        at: float,
-    ) -> int:
-        index = self._next % len(names)
+    def choose(self, view: RoutingView) -> int:
+        index = self._next % len(view.names)
         self._next += 1
         return index
 
@@ -115,19 +132,22 @@ class RoundRobin:
 class LeastLoaded:
     name = "least-loaded"
 
-    def choose(
-        self,
-        request: RoutedRequest,
-        names: Sequence[str],
-        loads: Sequence[int],
-        guard: GuardState | None,
-        *,
-        at: float,
-    ) -> int:
-        return min(range(len(names)), key=lambda index: (loads[index], index))
+    def choose(self, view: RoutingView) -> int:
+        loads = view.loads
+        return min(range(len(view.names)), key=lambda index: (loads[index], index))
 
     def reasons(self) -> Mapping[str, int]:
         return {}
+
+
+@attrs.frozen
+class _Placed:
+    """Where a prefix key last went: the backend, its prompt size, and the prompt tokens that
+    backend had been sent in all just after it."""
+
+    backend: int
+    prompt_tokens: int
+    sent_after: int
 
 
 class GuardRouting:
@@ -140,78 +160,125 @@ class GuardRouting:
         *,
         affinity_blocks: int = DEFAULT_AFFINITY_BLOCKS,
         bound: float = affinity_rules.DEFAULT_BOUND,
+        memory: int = DEFAULT_MEMORY,
     ) -> None:
         affinity_rules.load_bound(0, 1, bound)  # checks the bound
+        if memory < 1:
+            raise ValueError(f"the prefix memory must hold at least one key, got {memory}")
         self.affinity_blocks = affinity_blocks
         self.bound = bound
+        self.memory = memory
         self._ring: affinity_rules.Ring | None = None
         self._reasons: dict[str, int] = {}
+        #: Prefix keys, oldest first, and the prompt tokens sent to each backend in all.
+        self._placed: OrderedDict[int, _Placed] = OrderedDict()
+        self._sent: list[int] = []
 
-    def _candidates(
-        self,
-        request: RoutedRequest,
-        names: Sequence[str],
-        loads: Sequence[int],
-        guard: GuardState | None,
-        at: float,
-    ) -> list[Candidate]:
+    def _cached(self, view: RoutingView, key: int | None) -> list[float]:
+        """The prompt tokens of this request each backend's prefix cache is expected to hold:
+        the earlier request with the same key, while the prompt tokens sent to its backend
+        since then fit in that backend's cache (the learned KV capacity, else the view's)."""
+        cached = [0.0] * len(view.names)
+        placed = self._placed.get(key) if key is not None else None
+        if placed is None or placed.backend >= len(cached):
+            return cached
+        capacity: float | None = view.cache_tokens
+        predictive = view.guard.predictive if view.guard is not None else None
+        if predictive is not None and predictive.kv_per_token:
+            capacity = 1.0 / predictive.kv_per_token
+        since = self._sent[placed.backend] - placed.sent_after
+        if capacity is None or since <= capacity:
+            cached[placed.backend] = float(min(placed.prompt_tokens, view.request.prompt_tokens))
+        return cached
+
+    def _candidates(self, view: RoutingView, cached: Sequence[float]) -> list[Candidate]:
+        guard = view.guard
+        rows = list(zip(view.names, view.loads, strict=True))
         if guard is None:
-            return [Candidate(name=n, load=load) for n, load in zip(names, loads, strict=True)]
+            return [
+                Candidate(
+                    name=name,
+                    load=load,
+                    pending_tokens=view.pending_of(index),
+                    cached_tokens=cached[index],
+                )
+                for index, (name, load) in enumerate(rows)
+            ]
         predictive = guard.predictive
         if predictive is not None:
-            pool = sum(loads)
+            pool = sum(view.loads)
+            loads = backend_loads(predictive, at=view.at)
             candidates = []
-            for name, load in zip(names, loads, strict=True):
+            for index, (name, load) in enumerate(rows):
                 seen = outlook(
                     predictive,
                     name,
                     inflight=load,
                     pool_inflight=pool,
-                    body_bytes=request.body_bytes,
-                    at=at,
+                    body_bytes=view.request.body_bytes,
+                    at=view.at,
+                    loads=loads,
                 )
                 candidates.append(
-                    Candidate(name=name, load=load, room=seen.within_target, outlook=seen)
+                    Candidate(
+                        name=name,
+                        load=load,
+                        room=seen.within_target,
+                        outlook=seen,
+                        pending_tokens=view.pending_of(index),
+                        cached_tokens=cached[index],
+                    )
                 )
             return candidates
         policy = guard.config.policy
-        views = backend_views(names, guard.published, guard.traffic)
+        views = backend_views(view.names, guard.published, guard.traffic)
         return [
             Candidate(
-                name=view.name,
-                load=view.inflight,
-                room=pig_room(view, target_user_tps=policy.user_tps_yellow),
+                name=seen.name,
+                load=seen.inflight,
+                room=pig_room(seen, target_user_tps=policy.user_tps_yellow),
                 score=backend_score(
-                    view,
+                    seen,
                     capacity_ratio=policy.capacity_ratio,
                     target_user_tps=policy.user_tps_yellow,
                 ),
+                pending_tokens=view.pending_of(index),
+                cached_tokens=cached[index],
             )
-            for view in views
+            for index, seen in enumerate(views)
         ]
 
-    def choose(
-        self,
-        request: RoutedRequest,
-        names: Sequence[str],
-        loads: Sequence[int],
-        guard: GuardState | None,
-        *,
-        at: float,
-    ) -> int:
-        if self._ring is None or self._ring.names != tuple(names):
+    def choose(self, view: RoutingView) -> int:
+        names = view.names
+        if self._ring is None or self._ring.names != names:
             self._ring = affinity_rules.build_ring(names)
-        key = prefix_key(request.hash_ids, self.affinity_blocks)
-        candidates = self._candidates(request, names, loads, guard, at)
+            self._sent = [0] * len(names)
+            self._placed.clear()
+        key = prefix_key(view.request.hash_ids, self.affinity_blocks)
+        candidates = self._candidates(view, self._cached(view, key))
         chosen = route(candidates, ring=self._ring, key=key, bound=self.bound)
-        if chosen is None:  # never in a simulation: every backend is eligible
-            return 0
-        reason = str(chosen.reason)
-        self._reasons[reason] = self._reasons.get(reason, 0) + 1
-        return chosen.index
+        index = 0 if chosen is None else chosen.index  # None never: every backend is eligible
+        if chosen is not None:
+            reason = str(chosen.reason)
+            self._reasons[reason] = self._reasons.get(reason, 0) + 1
+        self._remember(key, index, view.request.prompt_tokens)
+        return index
+
+    def _remember(self, key: int | None, backend: int, prompt_tokens: int) -> None:
+        self._sent[backend] += max(0, prompt_tokens)
+        if key is None:
+            return
+        self._placed.pop(key, None)
+        self._placed[key] = _Placed(backend, max(0, prompt_tokens), self._sent[backend])
+        while len(self._placed) > self.memory:
+            self._placed.popitem(last=False)
 
     def reasons(self) -> Mapping[str, int]:
         return dict(self._reasons)
+
+    def remembered(self) -> int:
+        """How many prefix keys' placements the router holds (at most ``memory``)."""
+        return len(self._placed)
 
 
 def parse_routing(

@@ -81,7 +81,7 @@ from guard_adapters.engine_model import (
 )
 from guard_adapters.engine_pool import EnginePool
 from guard_adapters.prefix_cache import MOONCAKE_BLOCK_TOKENS, PrefixCache
-from guard_adapters.sim_routing import RoutedRequest, Router, parse_routing
+from guard_adapters.sim_routing import RoutedRequest, Router, RoutingView, parse_routing
 from guard_adapters.simulation_results import (
     GOOD_TPS,
     GOOD_TTFT_S,
@@ -318,8 +318,9 @@ class _Run:
         )
         self.caches = [_prefix_cache(trace, profile) for _ in range(backends)]
         self.router = router
-        #: Requests in flight per backend.
+        #: Requests in flight per backend, and their prompt tokens still without a first token.
         self.loads = [0] * backends
+        self.pending = [0] * backends
         #: (virtual time, speed factor from then on), in time order; the next one at ``slow_at``.
         self.slow_steps = _slowdown_steps(slowdowns)
         self.slow_at = 0
@@ -356,8 +357,9 @@ class _Run:
         backend = self._route(req, at)
         req.backend = backend
         self.loads[backend] += 1
+        self.pending[backend] += req.prompt
         if self.guard is not None and len(self.names) > 1:
-            sent = BackendForwarded(at=at, backend=self.names[backend])
+            sent = BackendForwarded(at=at, backend=self.names[backend], request_id=req.rid)
             self.guard = apply_guard_event(self.guard, sent).state
         request = self._sim_request(req)
         try:
@@ -375,7 +377,16 @@ class _Run:
         routed = RoutedRequest(
             prompt_tokens=req.prompt, body_bytes=_body_bytes(req.prompt), hash_ids=req.hash_ids
         )
-        return self.router.choose(routed, self.names, self.loads, self.guard, at=at)
+        view = RoutingView(
+            request=routed,
+            names=self.names,
+            loads=tuple(self.loads),
+            pending_tokens=tuple(self.pending),
+            guard=self.guard,
+            cache_tokens=self.engine.profile.kv_capacity_tokens,
+            at=at,
+        )
+        return self.router.choose(view)
 
     def _sim_request(self, req: _Req) -> SimRequest:
         """What the engine is given for ``req``; its cached prefix is looked up now."""
@@ -409,6 +420,8 @@ class _Run:
         self.inflight -= 1
         if req.backend is not None:
             self.loads[req.backend] -= 1
+            if req.first_at is None:
+                self.pending[req.backend] -= req.prompt
         if self.guard is None:
             return
         if len(self.names) > 1 and req.backend is not None:
@@ -484,6 +497,8 @@ class _Run:
             req.tokens += event.tokens
             req.last_at = at
         if kind == "first_token":
+            if req.first_at is None and req.backend is not None:
+                self.pending[req.backend] -= req.prompt
             req.first_at = at
             if self.guard is not None:
                 seen = FirstToken(at=at, request_id=req.rid, seconds=at - req.arrival)

@@ -6,13 +6,16 @@ forwarded, prefilling or decoding), the backend's name, the requests in flight t
 whole pool (the guard's own counts, :mod:`guard_core.traffic`), the request's body size and
 ``at``.
 
-The learner tracks its requests for the pool as a whole, not per backend, so a backend's part
-of the pool's prefill queue, decoders and recent prompt load is taken in proportion to its
-share of the pool's requests in flight. Its step-time law is its own fit once it has one, else
-the pool's most pessimistic fit (a backend that has not been seen working yet is judged like
-the worst one, not like the learner's deliberately slow prior, so it still gets work to learn
-from). KV usage is its latest poll's gauge plus the request's own tokens (when the KV per token
-is learned).
+A backend's prefill queue (prompt tokens sent to it without a first token yet), decoders and
+recent prompt load (the prompt tokens of its requests in flight, decayed with the horizon, as
+its share of the pool's) are its own when the runtime says where each request went
+(:func:`guard_core.predictive.sent_to`); otherwise the learner knows its requests for the pool
+as a whole, and a backend's part is taken in proportion to its share of the pool's requests in
+flight. Its step-time law is
+:func:`guard_core.pool_fit.fit_for`: its own fit once that is trustworthy, else the pool's
+reference fit (so a backend with a young, noisy or stale fit still gets work to learn from),
+and its speed target is the learner's rule applied to that fit. KV usage is its latest poll's
+gauge plus the request's own tokens (when the KV per token is learned).
 
 Guarantees: pure and deterministic; the predicted speed is the per-user decode speed on that
 backend with the request added (0 when prefill would take all its time), the predicted TTFT
@@ -27,13 +30,15 @@ predicts a faster speed for the same load.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import attrs
 
 from guard_core.engine_fit import EngineFit
+from guard_core.pool_fit import fit_for
 from guard_core.predictive import PredictiveState
 
-__all__ = ("BackendOutlook", "outlook")
+__all__ = ("BackendLoad", "BackendOutlook", "backend_loads", "kv_usage", "outlook")
 
 
 @attrs.frozen
@@ -53,14 +58,58 @@ class BackendOutlook:
     within_target: bool
 
 
-def _fit_of(state: PredictiveState, backend: str) -> EngineFit:
-    own = state.fits.get(backend)
-    if own is not None and own.observations > 0:
-        return own
-    return state.fit()
+@attrs.frozen
+class BackendLoad:
+    """What one backend carries of the requests the guard forwarded."""
+
+    pending_count: float = 0.0
+    pending_tokens: float = 0.0
+    decoders: float = 0.0
+    #: Its share of the pool's recent prompt load (0 to 1).
+    prompt_share: float = 0.0
 
 
-def _kv_usage(state: PredictiveState, backend: str, tokens: float) -> float:
+def backend_loads(state: PredictiveState, *, at: float) -> dict[str, BackendLoad] | None:
+    """Each backend's own load, from the requests the runtime placed (:func:`sent_to`);
+    ``None`` when no request in flight has a backend (the share rule applies then)."""
+    counts: dict[str, list[float]] = {}
+    total_weight = 0.0
+    horizon = state.horizon
+    for tracked in state.requests.values():
+        weight = tracked.tokens * math.exp(-max(0.0, at - tracked.forwarded_at) / horizon)
+        total_weight += weight
+        if tracked.backend is None:
+            continue
+        row = counts.setdefault(tracked.backend, [0.0, 0.0, 0.0, 0.0])
+        if tracked.first_at is None:
+            row[0] += 1
+            row[1] += tracked.tokens
+        else:
+            row[2] += 1
+        row[3] += weight
+    if not counts:
+        return None
+    return {
+        name: BackendLoad(row[0], row[1], row[2], row[3] / total_weight if total_weight else 0.0)
+        for name, row in counts.items()
+    }
+
+
+def _shared_load(state: PredictiveState, *, inflight: int, pool_inflight: int) -> BackendLoad:
+    pool = max(inflight, pool_inflight)
+    share = inflight / pool if pool > 0 else 0.0
+    pending_count = state.pending_count * share
+    return BackendLoad(
+        pending_count=pending_count,
+        pending_tokens=state.pending_tokens * share,
+        decoders=max(0.0, inflight - pending_count),
+        prompt_share=share,
+    )
+
+
+def kv_usage(state: PredictiveState, backend: str, tokens: float) -> float:
+    """The backend's KV usage once a request of ``tokens`` prompt tokens is added: its latest
+    poll's gauge plus the request's share (when the KV per token is learned)."""
     history = state.samples.get(backend, ())
     gauge = history[-1][1].kv_usage if history else None
     kv = gauge if gauge is not None else 0.0
@@ -77,24 +126,34 @@ def outlook(
     pool_inflight: int,
     body_bytes: int | None,
     at: float,
+    fit: EngineFit | None = None,
+    extra_decoders: float = 0.0,
+    loads: Mapping[str, BackendLoad] | None = None,
 ) -> BackendOutlook:
     """The predicted outcome of one more request of ``body_bytes`` sent to ``backend`` now.
 
     ``inflight`` is the requests in flight to that backend, ``pool_inflight`` to its whole pool
-    (at least ``inflight``).
+    (at least ``inflight``); ``fit`` the backend's fit when the caller already chose it (by
+    default :func:`~guard_core.pool_fit.fit_for`); ``extra_decoders`` more sequences counted
+    as decoding there (a premium reserve); ``loads`` the backends' own loads when the caller
+    already has them (:func:`backend_loads`).
     """
     config = state.config
     inflight = max(0, inflight)
-    pool = max(inflight, pool_inflight)
-    share = inflight / pool if pool > 0 else 0.0
     tokens = state.prompt_tokens(body_bytes)
-    fit = _fit_of(state, backend)
-    pending_count = state.pending_count * share
-    pending_tokens = state.pending_tokens * share
-    decoders = max(0.0, inflight - pending_count)
-    kv = _kv_usage(state, backend, tokens)
-    prompt_tps = (state.admitted_decayed(at) * share + tokens) / state.horizon
-    inter_token = fit.inter_token_s(decoders + pending_count + 1, kv, prompt_tps)
+    if fit is None:
+        fit = fit_for(state, backend)
+    if loads is None:
+        loads = backend_loads(state, at=at)
+    if loads is None:
+        own = _shared_load(state, inflight=inflight, pool_inflight=pool_inflight)
+    else:
+        own = loads.get(backend, BackendLoad())
+    pending_count, pending_tokens, decoders = own.pending_count, own.pending_tokens, own.decoders
+    kv = kv_usage(state, backend, tokens)
+    prompt_tps = (state.admitted_decayed(at) * own.prompt_share + tokens) / state.horizon
+    load = decoders + pending_count + 1 + max(0.0, extra_decoders)
+    inter_token = fit.inter_token_s(load, kv, prompt_tps)
     speed = 0.0 if math.isinf(inter_token) else 1.0 / inter_token
     idle = fit.idle_prefill_s(tokens, chunk=config.batch_tokens)
     first = fit.prefill_s(
@@ -108,5 +167,5 @@ def outlook(
         ttft_s=idle + excess,
         ttft_excess_s=excess,
         ttft_within=ttft_within,
-        within_target=ttft_within and speed >= state.speed_target(),
+        within_target=ttft_within and speed >= state.speed_target(fit),
     )

@@ -18,7 +18,9 @@ Guarantees:
   every poll, for its state reasons and its intake rules (no metrics, every backend failing,
   backend waiting), but the cap it publishes is the predictive learner's, and an attempt the
   gate's counts would admit is also checked against the learner's predictions
-  (:mod:`guard_core.predictive`); a refusal then carries a predicted ``Retry-After``.
+  (:mod:`guard_core.predictive`); a refusal then carries a predicted ``Retry-After``. With
+  several healthy backends the cap and that check are the pool's, per backend
+  (:mod:`guard_core.pool_admission`).
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ from guard_core.health import (
 )
 from guard_core.lanes import AdaptiveOutputConfig
 from guard_core.policy import PolicyConfig
+from guard_core.pool_admission import is_pool, pool_cap
 from guard_core.predictive import Prediction, PredictiveConfig, PredictiveState
+from guard_core.predictive_cap import published_cap
 from guard_core.published import Published, publish
 from guard_core.requests import Tracked
 from guard_core.traffic import (
@@ -220,7 +224,10 @@ def _predictive_decision(
     snapshot = learner.last
     if pig.source is not DecisionSource.METRICS or snapshot is None:
         return pig, predictive  # no metrics: intake stays closed as PIG closes it
-    prediction = predictive_rules.published_cap(predictive, at=at)
+    if is_pool(predictive):
+        prediction = pool_cap(predictive, at=at)
+    else:
+        prediction = published_cap(predictive, at=at)
     predictive = attrs.evolve(predictive, last_cap=prediction)
     components = snapshot.components
     cap, reason = prediction.cap, LimitReason.PREDICTED_SPEED
@@ -240,6 +247,14 @@ def _predictive_decision(
 def apply_traffic_event(state: GuardState, event: TrafficEvent) -> GuardState:
     """:func:`apply` for a traffic event, which has no outcome: the new state only."""
     traffic = apply_traffic(state.traffic, event, state.config.adaptive_output)
+    predictive = state.predictive
+    if (
+        predictive is not None
+        and isinstance(event, BackendForwarded)
+        and event.request_id is not None
+    ):
+        predictive = predictive_rules.sent_to(predictive, event.request_id, event.backend)
+        return replace(state, traffic=traffic, predictive=predictive)
     return replace(state, traffic=traffic)  # runs twice per forwarded request
 
 

@@ -10,12 +10,18 @@ The order:
 2. with a key, the backend consistent hashing with bounded loads gives it
    (:func:`guard_core.affinity.choose` over the eligible backends and their loads), when that
    backend has room (for the predictive learner: its outlook for this request is within the
-   speed and TTFT targets); it keeps the request's prefix cache warm;
+   speed and TTFT targets) and the cache gain beats the load cost: the prompt tokens its
+   prefix cache is expected to hold for this request (``Candidate.cached_tokens``) are at
+   least the prefill it has queued beyond the best-ranked other backend with room
+   (``Candidate.pending_tokens``, both in prompt tokens); it keeps the request's prefix cache
+   warm where that saves more prefill than the queue in front of it costs (with neither figure
+   known, both 0, affinity wins whenever it has room, as before);
 3. otherwise the best-ranked eligible backend (:func:`guard_core.ranking.best`: those with
-   room first, by predicted speed subject to TTFT, or by PIG's score), where a backend whose
-   load would pass the same bound counts as having no room: ranking may send a slow backend
-   less work, but never piles more than the bound on the fast ones, so a backend the model
-   misjudges still gets requests to learn from and the pool is never narrowed to one engine.
+   room first, by pending prefill (when known) or predicted speed subject to TTFT, or by
+   PIG's score), where a backend whose load would pass the same bound counts as having no
+   room: ranking may send a slow backend less work, but never piles more than the bound on
+   the fast ones, so a backend the model misjudges still gets requests to learn from and the
+   pool is never narrowed to one engine.
 
 Guarantees: pure and deterministic; the route names an eligible backend whenever one exists;
 no choice carries a backend past the load bound while an eligible backend with room is within
@@ -31,9 +37,9 @@ import attrs
 
 from guard_core import affinity
 from guard_core.backend_choice import BackendView, backend_score, takes_work
-from guard_core.backend_prediction import outlook
+from guard_core.backend_prediction import backend_loads, outlook
 from guard_core.predictive import PredictiveState
-from guard_core.ranking import Candidate, best, pig_room
+from guard_core.ranking import Candidate, pig_room, ranked
 
 __all__ = ("Route", "RouteReason", "candidates", "route")
 
@@ -62,25 +68,37 @@ def route(
     """Where this request goes (see the module notes); ``None`` when no backend is eligible."""
     positions = {candidate.name: index for index, candidate in enumerate(candidates)}
     eligible = {c.name for c in candidates if c.eligible}
+    bounded = list(candidates)
+    if eligible:
+        limit = affinity.load_bound(
+            sum(max(0, c.load) for c in candidates if c.eligible), len(eligible), bound
+        )
+        bounded = [
+            c if c.load + 1 <= limit or not c.room else attrs.evolve(c, room=False)
+            for c in candidates
+        ]
+    order = ranked(bounded)
     if key is not None and ring is not None:
         loads = {c.name: c.load for c in candidates}
         name = affinity.choose(ring, key, loads, bound, eligible=eligible)
         if name is not None and name in positions:
             index = positions[name]
-            if candidates[index].room:
+            chosen = candidates[index]
+            other = next((bounded[i] for i in order if i != index), None)
+            if chosen.room and _affinity_pays(chosen, other):
                 return Route(index, name, RouteReason.AFFINITY)
-    if eligible:
-        limit = affinity.load_bound(
-            sum(max(0, c.load) for c in candidates if c.eligible), len(eligible), bound
-        )
-        candidates = [
-            c if c.load + 1 <= limit or not c.room else attrs.evolve(c, room=False)
-            for c in candidates
-        ]
-    ranked = best(candidates)
-    if ranked is None:
+    if not order:
         return None
-    return Route(ranked, candidates[ranked].name, RouteReason.RANKED)
+    return Route(order[0], bounded[order[0]].name, RouteReason.RANKED)
+
+
+def _affinity_pays(chosen: Candidate, other: Candidate | None) -> bool:
+    """Whether the affine backend's expected cache gain beats its load cost against the best
+    other backend with room (see the module notes)."""
+    if other is None or not other.room:
+        return True
+    cost = (chosen.pending_tokens or 0.0) - (other.pending_tokens or 0.0)
+    return chosen.cached_tokens >= cost
 
 
 def candidates(
@@ -98,6 +116,7 @@ def candidates(
     predictive learner's outlook for this request when it runs, else from PIG's room rule and
     load score."""
     pool_inflight = sum(view.inflight for view in views)
+    loads = backend_loads(predictive, at=now) if predictive is not None else None
     built = []
     for index, view in enumerate(views):
         eligible = index not in tried and takes_work(view, now=now)
@@ -109,7 +128,12 @@ def candidates(
                 pool_inflight=pool_inflight,
                 body_bytes=body_bytes,
                 at=now,
+                loads=loads,
             )
+            pending: float | None = None
+            if loads is not None:
+                own = loads.get(view.name)
+                pending = own.pending_tokens if own is not None else 0.0
             built.append(
                 Candidate(
                     name=view.name,
@@ -117,6 +141,7 @@ def candidates(
                     room=seen.within_target,
                     load=view.inflight,
                     outlook=seen,
+                    pending_tokens=pending,
                 )
             )
         else:

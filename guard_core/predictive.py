@@ -26,7 +26,8 @@ Guarantees:
 - each verdict and each published cap carries its explanation (:class:`Prediction`): the
   predicted speed, TTFT and KV usage, the binding constraint, and the fit;
 - with several backends the load is taken as spread evenly over the healthy ones and the most
-  pessimistic backend's fit is used.
+  pessimistic backend's fit is used (a pool's own rules are :mod:`guard_core.pool_admission`);
+- the published cap and the ``Retry-After`` of a refusal are :mod:`guard_core.predictive_cap`.
 """
 
 from __future__ import annotations
@@ -66,8 +67,7 @@ __all__ = (
     "first_token",
     "forwarded",
     "polled",
-    "published_cap",
-    "retry_after_s",
+    "sent_to",
 )
 
 #: Each interval the fit learns from spans this many polls (overlapping): a prompt is counted by
@@ -87,7 +87,6 @@ _MAX_DECODE_S = 60.0
 _MAX_HORIZON_S = 60.0
 #: Without a body size, a request is taken to have this many prompt tokens.
 _UNKNOWN_PROMPT_TOKENS = 512.0
-_MAX_RETRY_AFTER_S = 30
 #: On an engine that cannot reach the speed target for one user, the target becomes this share
 #: of its best single-user speed (but never below the red floor).
 _TARGET_SHARE = 0.95
@@ -233,6 +232,8 @@ class _Tracked:
     #: Predicted seconds from forwarding to the first token, when it was forwarded.
     predicted_first_s: float = 0.0
     first_at: float | None = None
+    #: The backend it was sent to, when the runtime said (:func:`sent_to`).
+    backend: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -278,6 +279,10 @@ class PredictiveState:
     #: predictions are trusted up to twice that.
     trusted_decoders: float = 0.0
     inter_token_s: float | None = None
+    #: The backends healthy at the latest poll, in poll order, and when each backend's fit last
+    #: learned from an interval (the pool rules, :mod:`guard_core.pool_fit`, read them).
+    backends: tuple[str, ...] = ()
+    fitted_at: Mapping[str, float] = attrs.field(factory=dict)
     #: The explanation behind the latest published cap (the latest verdict is the guard's:
     #: ``GuardState.verdict``).
     last_cap: Prediction | None = None
@@ -318,12 +323,12 @@ class PredictiveState:
             return next(iter(fits.values()))
         return max(fits.values(), key=lambda fit: fit.decode_step_s(32, 0.3))
 
-    def speed_target(self) -> float:
+    def speed_target(self, fit: EngineFit | None = None) -> float:
         """The per-user speed admission keeps: the yellow target, or, on an engine too slow to
-        give even one user that (as fitted), nearly its best single-user speed, never below
-        the red floor."""
+        give even one user that (as fitted: ``fit``, by default :meth:`fit`), nearly its best
+        single-user speed, never below the red floor."""
         config = self.config
-        best = 1.0 / self.fit().decode_step_s(1.0, self.kv_usage)
+        best = 1.0 / (fit or self.fit()).decode_step_s(1.0, self.kv_usage)
         if best >= config.user_tps_target / _TARGET_SHARE:
             return config.user_tps_target
         return max(config.user_tps_floor, min(config.user_tps_target, _TARGET_SHARE * best))
@@ -347,6 +352,18 @@ class PredictiveState:
             kv_usage=kv,
             chunk=self.config.batch_tokens,
         )
+
+    def kv_per_request(self, at: float) -> float:
+        """The KV usage one request in flight holds, as learned (0 until learned)."""
+        inflight = self.decoders + self.pending_count
+        if self.kv_per_token is None or not inflight:
+            return 0.0
+        return self.kv_per_token * self.tokens_in_flight(at) / inflight
+
+    def trusted_load(self) -> float:
+        """The most requests in flight per backend the fit is trusted to predict (the trust
+        region: it grows with the load seen, like TCP's slow start)."""
+        return max(_TRUST_FLOOR, _TRUST_GROWTH * self.trusted_decoders)
 
     def tokens_in_flight(self, at: float) -> float:
         """Prompt plus generated tokens the forwarded requests hold, estimated."""
@@ -395,6 +412,17 @@ def forwarded(
             premium_at=max(at, state.premium_at),
         )
     return state
+
+
+def sent_to(state: PredictiveState, request_id: int, backend: str) -> PredictiveState:
+    """A forwarded request went to ``backend`` (a pool's rules then see each backend's own
+    prefill queue and decoders; the single-engine rules never read it)."""
+    tracked = state.requests.get(request_id)
+    if tracked is None or tracked.backend == backend:
+        return state
+    return _replace(
+        state, requests={**state.requests, request_id: attrs.evolve(tracked, backend=backend)}
+    )
 
 
 def first_token(state: PredictiveState, request_id: int | None, *, at: float) -> PredictiveState:
@@ -540,6 +568,12 @@ def polled(state: PredictiveState, polls: tuple[BackendPoll, ...], *, at: float)
         "fits": fits,
         "samples": samples,
         "healthy": healthy,
+        "backends": tuple(poll.name for poll in polls if poll.sample is not None),
+        # A fit that changed learned from an interval now.
+        "fitted_at": {
+            **state.fitted_at,
+            **{name: at for name, fit in fits.items() if fit is not state.fits.get(name)},
+        },
         "trusted_decoders": max([state.trusted_decoders * _TRUST_DECAY, *seen]),
     }
     if healthy:
@@ -608,8 +642,7 @@ def _predict(
         queued, decoders=now_decoding, kv_usage=kv, chunk=config.batch_tokens
     ) - fit.idle_prefill_s(tokens, chunk=config.batch_tokens)
     ttft = max(0.0, ttft) * (state.ttft_ratio or 1.0) + max(0.0, waited_s)
-    trusted = max(_TRUST_FLOOR, _TRUST_GROWTH * state.trusted_decoders)
-    if decoders > trusted:
+    if decoders > state.trusted_load():
         binding = Binding.UNTRIED
     elif speed < state.speed_target():
         binding = Binding.SPEED
@@ -655,78 +688,14 @@ def assess(
     return Verdict(prediction.binding is Binding.NONE, prediction)
 
 
-def published_cap(state: PredictiveState, *, at: float) -> Prediction:
-    """The most requests in flight that keep the speed target at the current prompt load.
-
-    The per-request checks of :func:`assess` still apply under this cap; the cap is what the
-    gate's tier rules (the premium reserve) are computed from, and what operators see.
-    """
-    config = state.config
-    share = max(1, state.healthy)
-    fit = state.fit()
-    prompt_tps = state.admitted_decayed(at) / state.horizon / share
-    inflight = state.decoders + state.pending_count
-    per_request_kv = 0.0
-    if state.kv_per_token is not None and inflight:
-        per_request_kv = state.kv_per_token * state.tokens_in_flight(at) / inflight
-    limit = config.global_limit
-    target = state.speed_target()
-
-    def fast_enough(count: int) -> bool:
-        per_backend = count / share
-        kv = min(1.0, per_request_kv * per_backend)
-        return 1.0 / fit.inter_token_s(per_backend, kv, prompt_tps) >= target
-
-    low, high = 0, limit
-    while low < high:
-        middle = (low + high + 1) // 2
-        if fast_enough(middle):
-            low = middle
-        else:
-            high = middle - 1
-    trusted = int(max(_TRUST_FLOOR, _TRUST_GROWTH * state.trusted_decoders) * share)
-    untried = low > trusted
-    cap = max(1, min(low, trusted)) if limit > 0 else 0
-    per_backend = cap / share
-    kv = min(1.0, per_request_kv * per_backend)
-    inter_token = fit.inter_token_s(per_backend, kv, prompt_tps)
-    return Prediction(
-        user_tps=0.0 if math.isinf(inter_token) else 1.0 / inter_token,
-        ttft_s=fit.prefill_s(
-            state.pending_tokens / share,
-            decoders=state.decoders / share,
-            kv_usage=state.kv_usage,
-            chunk=config.batch_tokens,
-        ),
-        kv_usage=state.kv_usage,
-        binding=Binding.UNTRIED if untried else Binding.SPEED if cap < limit else Binding.NONE,
-        fit=FitSummary.of(fit),
-        cap=cap,
-    )
+#: Moved to :mod:`guard_core.predictive_cap`; still reachable here (PEP 562) for callers that
+#: name them through this module.
+_MOVED = frozenset({"cap_prediction", "published_cap", "retry_after_s", "speed_cap"})
 
 
-def retry_after_s(state: PredictiveState, prediction: Prediction, *, at: float) -> int:
-    """Whole seconds until the binding constraint is predicted to have room again (1 to 30)."""
-    fit = state.fit()
-    share = max(1, state.healthy)
-    if prediction.binding is Binding.TTFT:
-        seconds = fit.prefill_s(
-            state.pending_tokens / share,
-            decoders=state.decoders / share,
-            kv_usage=state.kv_usage,
-            chunk=state.config.batch_tokens,
-        )
-    else:
-        # Speed or KV: room comes back as running requests finish; with an even spread of end
-        # times, the first of ``n`` decoders ends after about horizon / n.
-        running = max(1, state.decoders + state.pending_count)
-        seconds = state.decode_seconds / running * max(1.0, _excess(state, prediction))
-    return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(seconds)))
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from guard_core import predictive_cap  # noqa: PLC0415 (it imports this module)
 
-
-def _excess(state: PredictiveState, prediction: Prediction) -> float:
-    """How many requests must end before the prediction meets its target (at least 1)."""
-    target = state.speed_target()
-    if prediction.binding is Binding.SPEED and prediction.user_tps > 0:
-        return max(1.0, (state.decoders + state.pending_count) * (1 - prediction.user_tps / target))
-    return 1.0
+        return getattr(predictive_cap, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,18 +9,22 @@ there: the predictive learner's :class:`~guard_core.backend_prediction.BackendOu
 
 The order (best first):
 
-1. with an outlook: the backends whose predicted TTFT excess is within the target come first,
-   by predicted per-user speed, fastest first; the others after them, by predicted TTFT,
-   soonest first;
+1. with an outlook: the backends whose predicted TTFT excess is within the target come first;
+   among them, when the runtime knows each backend's pending prefill (the prompt tokens sent
+   to it still without a first token: what a new request queues behind), the least pending
+   first, then the lightest load (a faster engine clears its queue sooner, so it takes more
+   of the work; the predicted speed still decides who has room), else by predicted per-user
+   speed, fastest first; the others after them, by predicted TTFT, soonest first;
 2. with a score only: by score, lowest first;
-3. with neither: by load, lightest first.
+3. with neither: by pending prefill when known, least first, then by load, lightest first.
 
 Equal ranks keep configuration order.
 
 Guarantees: pure; :func:`best` returns an index into the candidates, never that of an
 ineligible backend while an eligible one exists, preferring those with room, and ``None`` only
 when no backend is eligible; a backend whose outlook predicts a slower speed (with the TTFT
-within target on both) ranks after one predicting a faster one.
+within target on both, and no pending prefill known) ranks after one predicting a faster
+one.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class Candidate:
     outlook: BackendOutlook | None = None
     #: PIG's :func:`~guard_core.backend_choice.backend_score` (lower is better).
     score: float | None = None
+    #: Prompt tokens sent to it still waiting for their first token (``None``: not known).
+    pending_tokens: float | None = None
+    #: Prompt tokens of this request its prefix cache is expected to hold (0: none known).
+    cached_tokens: float = 0.0
 
 
 def pig_room(view: BackendView, *, target_user_tps: float) -> bool:
@@ -64,14 +72,18 @@ def pig_room(view: BackendView, *, target_user_tps: float) -> bool:
     return view.generation_tps / view.running >= target_user_tps
 
 
-def rank_key(candidate: Candidate) -> tuple[int, float]:
+def rank_key(candidate: Candidate) -> tuple[int, float, float]:
     """The sort key of a candidate: smaller is better (see the module notes)."""
     seen = candidate.outlook
     if seen is not None:
-        return (0, -seen.user_tps) if seen.ttft_within else (1, seen.ttft_s)
+        if not seen.ttft_within:
+            return (1, seen.ttft_s, 0.0)
+        if candidate.pending_tokens is None:
+            return (0, -seen.user_tps, 0.0)
+        return (0, candidate.pending_tokens, float(candidate.load))
     if candidate.score is not None:
-        return (0, candidate.score)
-    return (0, float(candidate.load))
+        return (0, candidate.score, 0.0)
+    return (0, candidate.pending_tokens or 0.0, float(candidate.load))
 
 
 def ranked(candidates: Sequence[Candidate]) -> tuple[int, ...]:

@@ -36,7 +36,9 @@ from guard_core.events import (
     RequestEvent,
     Retried,
 )
+from guard_core.pool_admission import is_pool, pool_assess
 from guard_core.predictive import Prediction
+from guard_core.predictive_cap import retry_after_s
 from guard_core.prefill_guard import grace_s
 from guard_core.tier import Tier, premium_reserved
 
@@ -107,9 +109,23 @@ def _predictive_attempt(
         reserve = 0
         if tier is Tier.BASIC:
             reserve = max(0, premium_reserved(limit, gate.premium_inflight) - gate.premium_inflight)
-        verdict = predictive_rules.assess(
-            predictive, body_bytes, reserve=reserve, waited_s=waited, at=event.at
-        )
+        if is_pool(predictive):
+            # No request counted in flight while the learner tracks some: the per-backend
+            # counts are not known (a replay: recordings hold no traffic events).
+            counted = dict(state.traffic.inflight)
+            known = bool(any(counted.values()) or not predictive.requests)
+            verdict = pool_assess(
+                predictive,
+                counted if known else None,
+                body_bytes,
+                reserve=reserve,
+                waited_s=waited,
+                at=event.at,
+            )
+        else:
+            verdict = predictive_rules.assess(
+                predictive, body_bytes, reserve=reserve, waited_s=waited, at=event.at
+            )
         if not verdict.admit:
             step = gate_rules.refuse(gate, event, RejectCode.GLOBAL_DYNAMIC_LIMIT)
         return step, verdict.prediction
@@ -146,7 +162,7 @@ def _attempt(
         if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:
             basis = prediction or model.last_cap
             if basis is not None:
-                seconds = predictive_rules.retry_after_s(model, basis, at=event.at)
+                seconds = retry_after_s(model, basis, at=event.at)
                 outcome = attrs.evolve(outcome, retry_after_s=seconds)
     traffic = state.traffic
     if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:

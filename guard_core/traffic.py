@@ -31,10 +31,12 @@ __all__ = (
 
 @attrs.frozen
 class BackendForwarded:
-    """A request was sent to backend ``backend``."""
+    """A request was sent to backend ``backend`` (``request_id``: the guard's id of it, when the
+    runtime passes it; the predictive learner then knows each backend's own requests)."""
 
     at: float
     backend: str
+    request_id: int | None = None
 
 
 @attrs.frozen

@@ -47,6 +47,8 @@ candidates_strategy = st.lists(
         room=st.booleans(),
         load=st.integers(min_value=0, max_value=30),
         score=st.one_of(st.none(), st.floats(min_value=-50, max_value=50)),
+        pending_tokens=st.one_of(st.none(), st.floats(min_value=0, max_value=100_000)),
+        cached_tokens=st.floats(min_value=0, max_value=100_000),
     ),
     min_size=1,
     max_size=5,
@@ -146,7 +148,7 @@ def test_a_backend_predicted_slower_gets_less_work() -> None:
     assert loads["b2"] < loads["b1"]
 
 
-def test_an_unlearned_backend_is_judged_like_the_pools_worst_fit() -> None:
+def test_an_unlearned_backend_is_judged_like_the_pools_worst_fit_before_any_is_trusted() -> None:
     learner = state({"known": 2.0})
     fresh = outlook(learner, "new", inflight=1, pool_inflight=2, body_bytes=2000, at=0.0)
     known = outlook(learner, "known", inflight=1, pool_inflight=2, body_bytes=2000, at=0.0)
@@ -161,3 +163,54 @@ def test_pig_room_needs_nothing_waiting_and_the_speed_target() -> None:
     slow = BackendView(name="a", running=4, generation_tps=60.0)
     assert pig_room(fast, target_user_tps=25)
     assert not pig_room(slow, target_user_tps=25)
+
+
+@given(
+    st.floats(min_value=0, max_value=50_000),
+    st.floats(min_value=0, max_value=50_000),
+    st.floats(min_value=0, max_value=50_000),
+    st.integers(min_value=0, max_value=2**64 - 1),
+)
+def test_affinity_wins_only_when_the_cache_gain_beats_the_queue_in_front(
+    cached: float, pending: float, other_pending: float, key: int
+) -> None:
+    names = ["a", "b"]
+    ring = build_ring(names)
+    affine = ring.walk(key)[0]
+    other = "b" if affine == "a" else "a"
+    candidates = [
+        Candidate(
+            name=name,
+            load=1,
+            pending_tokens=pending if name == affine else other_pending,
+            cached_tokens=cached if name == affine else 0.0,
+        )
+        for name in names
+    ]
+    chosen = route(candidates, ring=ring, key=key)
+    assert chosen is not None
+    if cached >= pending - other_pending:
+        assert (chosen.name, chosen.reason) == (affine, RouteReason.AFFINITY)
+    else:
+        # The affine backend's queue costs more than its cache saves: the least pending wins.
+        assert chosen.reason is RouteReason.RANKED
+        assert chosen.name == other
+
+
+@given(
+    st.lists(st.integers(min_value=0, max_value=30), min_size=2, max_size=5),
+    st.lists(st.floats(min_value=0, max_value=60_000), min_size=5, max_size=5),
+    st.integers(min_value=0, max_value=2**64 - 1),
+    st.floats(min_value=1.05, max_value=3.0),
+)
+def test_the_router_never_passes_the_load_bound(
+    loads: list[int], pending: list[float], key: int, bound: float
+) -> None:
+    names = NAMES[: len(loads)]
+    candidates = [
+        Candidate(name=n, load=load, pending_tokens=p, cached_tokens=p / 2)
+        for n, load, p in zip(names, loads, pending, strict=False)
+    ]
+    chosen = route(candidates, ring=build_ring(names), key=key, bound=bound)
+    assert chosen is not None
+    assert loads[chosen.index] + 1 <= load_bound(sum(loads), len(loads), bound)
