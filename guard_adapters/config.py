@@ -686,13 +686,17 @@ class Settings:
         header = self.tenant_header
         if bands is None and header is None:
             return None
-        tenants = None
-        if header is not None:
-            weights = parse_weights(env.pig_tenant_weights)[0] or ()
-            tenants = TenantConfig(weights=weights, **_values(TenantConfig, env))
+        tenants = self.tenant_config if header is not None else None
         if bands is None:
             return FlowConfig(tenants=tenants)
         return FlowConfig(bands=bands, tenants=tenants)
+
+    @property
+    def tenant_config(self) -> TenantConfig:
+        """The tenant settings (``PIG_TENANT_WEIGHTS``, ``PIG_TENANT_*``), whether or not a
+        tenant header turns them on."""
+        weights = parse_weights(self.env.pig_tenant_weights)[0] or ()
+        return TenantConfig(weights=weights, **_values(TenantConfig, self.env))
 
     @property
     def tenant_header(self) -> bytes | None:

@@ -80,6 +80,7 @@ from guard_adapters.engine_model import (
     idle_prefill_s,
 )
 from guard_adapters.engine_pool import EnginePool
+from guard_adapters.fairness_results import summarise_tenants
 from guard_adapters.prefix_cache import MOONCAKE_BLOCK_TOKENS, PrefixCache
 from guard_adapters.sim_routing import RoutedRequest, Router, parse_routing
 from guard_adapters.simulation_results import (
@@ -96,7 +97,7 @@ from guard_adapters.simulation_results import (
     summarise,
     user_tps_series,
 )
-from guard_adapters.traces import TraceRequest, premium_flags
+from guard_adapters.traces import TraceRequest, premium_flags, tenant_labels
 from guard_core import (
     Admitted,
     Arrived,
@@ -228,6 +229,7 @@ class _Req:
         "admitted_at",
         "arrival",
         "backend",
+        "band",
         "cached",
         "cap",
         "failed",
@@ -240,12 +242,17 @@ class _Req:
         "prompt",
         "reject_code",
         "rid",
+        "tenant",
         "tier",
         "tokens",
     )
 
-    def __init__(self, rid: int, request: TraceRequest, tier: Tier) -> None:
+    def __init__(
+        self, rid: int, request: TraceRequest, tier: Tier, tenant: str = "", band: str = ""
+    ) -> None:
         self.rid = rid
+        self.tenant = tenant
+        self.band = band
         self.arrival = request.arrival_s
         self.prompt = request.prompt_tokens
         self.output = request.output_tokens
@@ -285,6 +292,8 @@ class _Req:
             cached_prompt_tokens=self.cached,
             backend=self.backend,
             idle_prefill_s=idle_prefill_s(profile, max(1, self.prompt) - self.cached),
+            tenant=self.tenant,
+            band=self.band,
         )
 
 
@@ -303,11 +312,21 @@ class _Run:
         backends: int = 1,
         slow_backend: float = 1.0,
         router: Router | None = None,
+        tenants: int = 0,
+        heavy_share: float = 0.0,
     ) -> None:
         flags = premium_flags(len(trace), premium_share, seed=seed)
+        labels: Sequence[str] = [""] * len(trace)
+        if tenants:
+            labels = tenant_labels(len(trace), tenants, heavy_share, seed=seed)
+        flow = policy.config.flow if isinstance(policy, Guard) else None
+        # The premium flag picks the first band, the rest go to the default one.
+        top, rest = "", ""
+        if flow is not None:
+            top, rest = flow.bands.names[0], flow.bands.names[flow.bands.default]
         self.reqs = [
-            _Req(i, r, Tier.PREMIUM if premium else Tier.BASIC)
-            for i, (r, premium) in enumerate(zip(trace, flags, strict=True))
+            _Req(i, r, Tier.PREMIUM if premium else Tier.BASIC, tenant, top if premium else rest)
+            for i, (r, premium, tenant) in enumerate(zip(trace, flags, labels, strict=True))
         ]
         self.policy = policy
         engines = [Engine(profile, seed=seed + i, token_events=False) for i in range(backends)]
@@ -434,7 +453,12 @@ class _Run:
     def _arrive(self, req: _Req, at: float) -> None:
         if self.guard is not None:
             event = Arrived(
-                at=at, request_id=req.rid, tier=req.tier, body_bytes=_body_bytes(req.prompt)
+                at=at,
+                request_id=req.rid,
+                tier=req.tier,
+                body_bytes=_body_bytes(req.prompt),
+                band=req.band,
+                tenant=req.tenant,
             )
             step = apply_guard_event(self.guard, event)
             self.guard = step.state
@@ -631,6 +655,8 @@ def simulate(
     backends: int = 1,
     slow_backend: float = 1.0,
     routing: Router | str = "round-robin",
+    tenants: int = 0,
+    heavy_share: float = 0.0,
 ) -> SimulationResult:
     """Run ``trace`` through ``policy`` in front of a fresh simulated engine.
 
@@ -644,6 +670,11 @@ def simulate(
     whole run, and ``routing`` places each admitted request (see
     :mod:`guard_adapters.sim_routing`; a name gives a fresh router). One backend (the default)
     is exactly the single-engine simulation, whatever the routing.
+
+    ``tenants`` (2 or more) labels each request with a tenant, ``t0`` (the heavy one) with
+    chance ``heavy_share`` and one of the others uniformly otherwise
+    (:func:`~guard_adapters.traces.tenant_labels`); the guard sees the label as its tenant key
+    when its settings enable tenants, and the result gains per-tenant figures.
     """
     if isinstance(policy, str):
         policy = parse_policy(policy, guard_config)
@@ -673,6 +704,8 @@ def simulate(
         backends=backends,
         slow_backend=slow_backend,
         router=router,
+        tenants=tenants,
+        heavy_share=heavy_share,
     )
     last_arrival, end = run.run()
     outcomes = tuple(req.frozen(profile) for req in run.reqs)
@@ -708,4 +741,5 @@ def simulate(
         backends=backend_loads(outcomes, run.names, duration_s=duration, end_s=end),
         prefix_hit_rate=prefix_hit_rate(outcomes),
         routes=dict(router.reasons()),
+        fairness=summarise_tenants(outcomes, duration) if tenants else None,
     )

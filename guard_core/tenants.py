@@ -246,10 +246,10 @@ def tenant_refusal(
         return False  # nobody else waits: an idle share is lent to whoever asks
     weights = _weights_of(table, config, band, tenant)
     per_weight = slots / sum(weights.values())
-    floor = min(s.service for _, s in actives)
-    lag = config.max_lag
     mine = entries.get((band, tenant), TenantStats())
     weight = weights[tenant]
+    floor = min(s.service for _, s in actives)
+    lag = config.max_lag
     own = rank(mine, weight, tenant, share=per_weight * weight, floor=floor, max_lag=lag)
     before = 0
     for other, stats in actives:
