@@ -188,10 +188,18 @@ class GuardEngine:
     # -- admission -----------------------------------------------------------------------------
 
     def begin(
-        self, tier: Tier, *, path: str = "", body_bytes: int | None = None, trace_id: str = ""
+        self,
+        tier: Tier,
+        *,
+        path: str = "",
+        body_bytes: int | None = None,
+        trace_id: str = "",
+        band: str = "",
+        tenant: str = "",
     ) -> Attempt:
         """Ask for a slot now, without waiting: the attempt is applied once, and comes back
-        settled (a slot or a refusal) unless it was queued; :meth:`settle` finishes it."""
+        settled (a slot or a refusal) unless it was queued; :meth:`settle` finishes it.
+        ``band`` and ``tenant`` are the request's flow-control labels ("" without them)."""
         request_id = next(self._ids)
         arrived = self._at()
         outcome, binding = self._attempt(
@@ -202,6 +210,8 @@ class GuardEngine:
                 body_bytes=body_bytes,
                 path=path,
                 trace_id=trace_id,
+                band=band,
+                tenant=tenant,
             )
         )
         attempt = Attempt(
@@ -210,6 +220,22 @@ class GuardEngine:
         if not isinstance(outcome, Queued):
             self._conclude(attempt, arrived)  # at once: the same instant
         return attempt
+
+    def refuses_at_once(
+        self, tier: Tier, length: int | None, band: str = "", tenant: str = ""
+    ) -> bool:
+        """The gate would refuse a slot request now, with no wait: a pure peek at the state
+        (nothing is applied, nothing recorded)."""
+        # Id 0 is never one of the engine's, and the step is dropped: nothing is applied.
+        attempt = Arrived(
+            at=self._at(),
+            request_id=0,
+            tier=tier,
+            body_bytes=length,
+            band=band,
+            tenant=tenant,
+        )
+        return isinstance(apply_guard_event(self.state, attempt).outcome, Rejected)
 
     async def admit(
         self, tier: Tier, *, path: str = "", body_bytes: int | None = None
@@ -234,6 +260,10 @@ class GuardEngine:
             attempt.outcome, attempt.binding = self._attempt(retried)
             if not isinstance(attempt.outcome, Queued):
                 self._conclude(attempt, retried.at)
+                if self.state.flow is not None and self.state.gate.waiting:
+                    # Flow control ranks waiters: one passed over for this one may now be
+                    # next in line for a slot that is still free.
+                    self._notify()
         return attempt.result
 
     def abandon(self, attempt: Attempt) -> None:
