@@ -120,6 +120,7 @@ from guard_core import (
     current_limit,
     next_check_at,
 )
+from guard_core.flow import retry_order
 from guard_core.traffic import BackendFinished, BackendForwarded
 
 __all__ = (
@@ -320,6 +321,7 @@ class _Run:
         if tenants:
             labels = tenant_labels(len(trace), tenants, heavy_share, seed=seed)
         flow = policy.config.flow if isinstance(policy, Guard) else None
+        self.flow = flow is not None
         # The premium flag picks the first band, the rest go to the default one.
         top, rest = "", ""
         if flow is not None:
@@ -469,13 +471,30 @@ class _Run:
             req.reject_code = "static_limit"
 
     def _retry(self, at: float, *, everyone: bool) -> None:
-        for rid, (_, check) in list(self.waiters.items()):
-            if rid not in self.waiters or (not everyone and check > at):
-                continue
-            assert self.guard is not None
-            step = apply_guard_event(self.guard, Retried(at=at, request_id=rid))
-            self.guard = step.state
-            self._settle(self.reqs[rid], step.outcome, at)
+        while True:
+            ended = False
+            for rid in self._retry_order():
+                entry = self.waiters.get(rid)
+                if entry is None or (not everyone and entry[1] > at):
+                    continue
+                assert self.guard is not None
+                step = apply_guard_event(self.guard, Retried(at=at, request_id=rid))
+                self.guard = step.state
+                self._settle(self.reqs[rid], step.outcome, at)
+                ended = ended or not isinstance(step.outcome, Queued)
+            # Flow control ranks waiters: as the live engine does, a wait that ended (a slot
+            # taken or given up) wakes the others again, since one passed over may be next now.
+            if not (ended and self.waiters and self.flow):
+                return
+            everyone = True
+
+    def _retry_order(self) -> tuple[int, ...]:
+        """Waiters in arrival order; with flow control, in its fair order (as the engine)."""
+        guard = self.guard
+        if guard is None or guard.flow is None:
+            return tuple(self.waiters)
+        limit = current_limit(guard.gate)[0]
+        return retry_order(guard.flow, guard.requests, limit=limit, inflight=guard.gate.inflight)
 
     def _poll(self, at: float) -> None:
         assert self.guard is not None

@@ -18,6 +18,9 @@ Guarantees:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import attrs
 
 from guard_core import tenants as tenant_rules
@@ -26,6 +29,9 @@ from guard_core.bands import PIG_BANDS, BandSpec, band_refusal, headroom
 from guard_core.decision import RejectCode
 from guard_core.tenants import TenantConfig, TenantTable
 
+if TYPE_CHECKING:
+    from guard_core.requests import Tracked
+
 __all__ = (
     "FlowConfig",
     "FlowState",
@@ -33,6 +39,7 @@ __all__ = (
     "arrived",
     "finished",
     "refusal",
+    "retry_order",
     "settled",
 )
 
@@ -78,7 +85,12 @@ def arrived(flow: FlowState, band: str, tenant: str, *, at: float) -> tuple[Flow
 
 
 def refusal(
-    flow: FlowState, band: int, tenant: str, *, limit: int, inflight: int
+    flow: FlowState,
+    band: int,
+    tenant: str,
+    *,
+    limit: int,
+    inflight: int,
 ) -> RejectCode | None:
     """Why a request of ``band`` and ``tenant`` may not take the slot the gate would give it
     under cap ``limit`` with ``inflight`` admitted, or ``None``."""
@@ -145,3 +157,30 @@ def finished(flow: FlowState, band: int, tenant: str) -> FlowState:
     if flow.config.tenants is not None:
         table = tenant_rules.released(table, band, tenant)
     return replace(flow, inflight=_bump(flow.inflight, band, -1), table=table)
+
+
+def retry_order(
+    flow: FlowState, requests: Mapping[int, Tracked], *, limit: int, inflight: int
+) -> tuple[int, ...]:
+    """The waiting requests' ids in the order they should retry when room comes back: higher
+    bands first, then the tenant furthest below its fair share (as :func:`refusal` ranks),
+    then the earliest arrival. A runtime that retries in this order gives room the gate does
+    not count in slots (the predictive learner's) to the fairest waiter that fits."""
+    spec = flow.config.bands
+    tenants = flow.config.tenants
+    ranks: dict[tuple[int, str], tuple[float, float, float, str]] = {}
+    if tenants is not None:
+        for band in range(len(spec.bands)):
+            free = max(1, limit - headroom(spec, band, limit) - inflight)
+            slots = flow.inflight[band] + free
+            ranks.update(tenant_rules.ranks(flow.table, tenants, band, slots=slots))
+    waiting = [
+        (tracked.band, ranks.get((tracked.band, tracked.tenant), _NO_RANK), tracked.arrived_at, rid)
+        for rid, tracked in requests.items()
+        if tracked.queued is not None
+    ]
+    waiting.sort()
+    return tuple(rid for *_, rid in waiting)
+
+
+_NO_RANK = (0.0, 0.0, 0.0, "")

@@ -130,11 +130,12 @@ def _attempt(
     """Judge one attempt and file the request by its outcome: holding, waiting or gone."""
     prediction: Prediction | None = None
     step: gate_rules.GateStep
-    if (
+    predicting = (
         state.predictive is not None
         and state.gate.config.dynamic
         and not gate_rules.failing_open(state.gate)
-    ):
+    )
+    if predicting:
         # Learning without enforcing (DYNAMIC_PIG_ENFORCE=false) predicts but never refuses.
         step, prediction = _predictive_attempt(state, event)
     else:
@@ -144,7 +145,11 @@ def _attempt(
         if isinstance(step.outcome, Admitted):
             limit, _ = gate_rules.current_limit(state.gate)
             code = flow_rules.refusal(
-                flow, tracked.band, tracked.tenant, limit=limit, inflight=state.gate.inflight
+                flow,
+                tracked.band,
+                tracked.tenant,
+                limit=limit,
+                inflight=state.gate.inflight,
             )
             if code is not None:
                 step = gate_rules.refuse(state.gate, event, code)

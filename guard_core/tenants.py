@@ -43,6 +43,7 @@ __all__ = (
     "left_queue",
     "queued",
     "rank",
+    "ranks",
     "released",
     "resolve",
     "tenant_refusal",
@@ -261,6 +262,25 @@ def tenant_refusal(
         if before >= free:
             return True
     return False
+
+
+def ranks(
+    table: TenantTable, config: TenantConfig, band: int, *, slots: int
+) -> dict[tuple[int, str], tuple[float, float, float, str]]:
+    """The rank of every active tenant of ``band`` (as :func:`tenant_refusal` ranks them)."""
+    actives = [(t, s) for (b, t), s in table.entries.items() if b == band and s.active]
+    if not actives:
+        return {}
+    total = sum(config.weight(t) for t, _ in actives)
+    floor = min(s.service for _, s in actives)
+    found = {}
+    for tenant, stats in actives:
+        weight = config.weight(tenant)
+        share = slots * weight / total
+        found[(band, tenant)] = rank(
+            stats, weight, tenant, share=share, floor=floor, max_lag=config.max_lag
+        )
+    return found
 
 
 def _ahead(theirs: tuple[float, float, float, str], own: tuple[float, float, float, str]) -> int:

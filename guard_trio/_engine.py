@@ -55,8 +55,10 @@ from guard_core import (
     Retried,
     Tier,
     apply_guard_event,
+    current_limit,
     next_check_at,
 )
+from guard_core.flow import retry_order
 from guard_core.guard import apply_health_event, apply_traffic_event
 from guard_core.health import (
     BackendFailed,
@@ -163,6 +165,9 @@ class GuardEngine:
         self._ids = ids if ids is not None else itertools.count(1)
         #: The pool it admits for ("" for PIG's single pool).
         self.name = name
+        #: With flow control, the waiting attempts the engine retries itself, in fair order,
+        #: and the event that wakes each one's task when its wait ended.
+        self._ranked: dict[int, tuple[Attempt, trio.Event]] = {}
 
     # -- time: the core sees seconds since the engine started ------------------------------------
 
@@ -184,6 +189,33 @@ class GuardEngine:
     def _notify(self) -> None:
         self._wake.set()
         self._wake = trio.Event()
+        if self._ranked:
+            self._retry_in_order()
+
+    def _retry_in_order(self) -> None:
+        """Flow control: retry every waiter now, in the core's fair order (higher bands first,
+        then the tenant furthest below its share), again while any wait ends, and wake the
+        ones that ended; room the gate does not count in slots goes to the fairest that fits."""
+        ended = True
+        while ended and self._ranked:
+            ended = False
+            state = self.state
+            flow = state.flow
+            assert flow is not None
+            limit = current_limit(state.gate)[0]
+            order = retry_order(flow, state.requests, limit=limit, inflight=state.gate.inflight)
+            for request_id in order:
+                entry = self._ranked.get(request_id)
+                if entry is None:
+                    continue
+                attempt, woken = entry
+                retried = Retried(at=self._at(), request_id=request_id)
+                attempt.outcome, attempt.binding = self._attempt(retried)
+                if not isinstance(attempt.outcome, Queued):
+                    self._conclude(attempt, retried.at)
+                    del self._ranked[request_id]
+                    woken.set()
+                    ended = True
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -245,6 +277,8 @@ class GuardEngine:
 
     async def settle(self, attempt: Attempt) -> AdmissionResult:
         """Wait out a queued attempt (at once for a settled one)."""
+        if self.state.flow is not None:
+            return await self._settle_ranked(attempt)
         while attempt.result is None:
             queued = attempt.outcome
             assert isinstance(queued, Queued)
@@ -260,10 +294,34 @@ class GuardEngine:
             attempt.outcome, attempt.binding = self._attempt(retried)
             if not isinstance(attempt.outcome, Queued):
                 self._conclude(attempt, retried.at)
-                if self.state.flow is not None and self.state.gate.waiting:
-                    # Flow control ranks waiters: one passed over for this one may now be
-                    # next in line for a slot that is still free.
-                    self._notify()
+        return attempt.result
+
+    async def _settle_ranked(self, attempt: Attempt) -> AdmissionResult:
+        """:meth:`settle` under flow control: wake-ups retry the waiters in fair order
+        (:meth:`_retry_in_order`); the attempt's own timer (its fallback re-check, its deadline)
+        retries it alone, and a wait it ends that way lets the others try again."""
+        while attempt.result is None:
+            queued = attempt.outcome
+            assert isinstance(queued, Queued)
+            woken = trio.Event()
+            self._ranked[attempt.request_id] = (attempt, woken)
+            check_at = next_check_at(queued, now=self._at(), config=self.state.config.gate)
+            try:
+                with trio.move_on_at(self._origin + check_at):
+                    await woken.wait()
+            except trio.Cancelled:
+                self._ranked.pop(attempt.request_id, None)
+                self.abandon(attempt)
+                raise
+            self._ranked.pop(attempt.request_id, None)
+            if attempt.result is not None:
+                break  # ended by a wake-up's ordered retry
+            retried = Retried(at=self._at(), request_id=attempt.request_id)
+            attempt.outcome, attempt.binding = self._attempt(retried)
+            if not isinstance(attempt.outcome, Queued):
+                self._conclude(attempt, retried.at)
+                self._notify()  # a claim on a free slot may have ended with it
+        assert attempt.result is not None
         return attempt.result
 
     def abandon(self, attempt: Attempt) -> None:

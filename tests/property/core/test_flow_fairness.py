@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import guard_core as core
 from guard_core.bands import Band, BandSpec
 from guard_core.events import Arrived, Finished, Forwarded, Retried
-from guard_core.flow import FlowConfig
+from guard_core.flow import FlowConfig, retry_order
 from guard_core.guard import GuardConfig, GuardState
 from guard_core.guard import apply as apply_guard_event
 from guard_core.tenants import TenantConfig
@@ -209,3 +209,35 @@ def test_idle_share_is_lent_to_a_lone_tenant() -> None:
     driver.retry_all(0.02)
     assert driver.holding()["b"] == 1
     assert driver.waiting()["a"] == 1
+
+
+def test_retry_order_puts_higher_bands_then_the_furthest_below_share_first() -> None:
+    """The order a runtime retries waiters in (``flow.retry_order``)."""
+    bands = BandSpec.of((Band("top"), Band("rest")), "rest")
+    config = GuardConfig(
+        gate=core.GateConfig(global_limit=5, dynamic=False),
+        learning=False,
+        flow=FlowConfig(bands=bands, tenants=TenantConfig()),
+    )
+    state = GuardState.initial(config, at=0.0)
+    rid = 0
+
+    def send(band: str, tenant: str, at: float) -> core.Admission | None:
+        nonlocal state, rid
+        rid += 1
+        event = Arrived(at=at, request_id=rid, tier=core.Tier.BASIC, band=band, tenant=tenant)
+        step = apply_guard_event(state, event)
+        state = step.state
+        return step.outcome
+
+    for _ in range(4):  # a holds every slot the lower band may take, c the one kept for top
+        assert isinstance(send("rest", "a", 0.0), core.Admitted)
+    assert isinstance(send("top", "c", 0.0), core.Admitted)
+    for tenant in ("a", "b", "a"):
+        assert isinstance(send("rest", tenant, 0.01), core.Queued)
+    assert isinstance(send("top", "c", 0.02), core.Queued)
+    flow = state.flow
+    assert flow is not None
+    order = retry_order(flow, state.requests, limit=5, inflight=5)
+    # c's band first, then b (holding nothing), then a's two, oldest first.
+    assert order == (9, 7, 6, 8)
