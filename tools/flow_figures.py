@@ -1,10 +1,11 @@
 """Measure tenant fairness with ``simulate`` (docs/flow-control.md's tables).
 
-``python tools/flow_figures.py [--quick]``: for each trace and policy, a heavy tenant (``t0``)
-sending 2x and 4x what each of the 9 light tenants sends, run without tenant fairness
-(``--unfair``), with it, and as the balanced reference (the heavy tenant at 1x, the rate lowered
-so the light tenants send exactly as much as in the heavy run); then the same with three bands.
-Prints one Markdown row per run. Runs one simulation at a time (each a few CPU seconds).
+``python tools/flow_figures.py [--quick] [--policy=guard|predictive|static40 ...]``: for each
+trace and policy, a heavy tenant (``t0``) sending 2x and 4x what each of the 9 light tenants
+sends, run without tenant fairness (``--unfair``), with it, and as the balanced reference (the
+heavy tenant at 1x, the rate lowered so the light tenants send exactly as much as in the heavy
+run); then the same with three bands. Prints one Markdown row per run, one simulation at a
+time (each a few CPU seconds).
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ RUNS = (
         1200,
     ),
 )
-POLICIES = ("guard", "predictive")
+#: (label, policy, settings): PIG's learner, the predictive one, and a fixed cap of 40 slots
+#: (no learner: the fairness mechanism alone, with no cap moving under it).
+POLICIES = (
+    ("guard", "guard", ()),
+    ("predictive", "predictive", ()),
+    ("static40", "guard", ("--set", "DYNAMIC_PIG_ENABLED=false", "--set", "DYNAMIC_POLICY=pig",
+                           "--set", "GLOBAL_LIMIT=40")),
+)  # fmt: skip
 BANDS = "premium:reserve=0.1,standard,batch:wait=0"
 
 
@@ -67,18 +75,22 @@ def row(label: str, entry: dict, light_demand: float | None = None) -> str:
 
 def main(argv: list[str]) -> int:
     runs = RUNS[:1] if "--quick" in argv else RUNS
+    only = [arg.removeprefix("--policy=") for arg in argv if arg.startswith("--policy=")]
     print("| run | light reject | heavy reject | fluid fair-share light reject | Jain light |"
           " light goodput/s | heavy goodput/s | total goodput/s |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for run in runs:
         name, _trace, rate, _profile, _duration = run
-        for policy in POLICIES:
-            for bands in ((), ("--bands", BANDS, "--premium-share", "0.1")):
-                tag = " 3 bands" if bands else ""
+        for label_of_policy, policy, settings in POLICIES:
+            if only and label_of_policy not in only:
+                continue
+            for given in ((), ("--bands", BANDS, "--premium-share", "0.1")):
+                bands = (*given, *settings)
+                tag = " 3 bands" if given else ""
                 for times in (2, 4):
                     share = times / (TENANTS - 1 + times)
                     balanced_rate = rate * (1 - share) / (1 - 1 / TENANTS)
-                    label = f"{name} {policy}{tag} heavy {times}x"
+                    label = f"{name} {label_of_policy}{tag} heavy {times}x"
                     unfair = simulate(run, policy, rate, share, "--unfair", *bands)
                     fair = simulate(run, policy, rate, share, *bands)
                     light = [t for t in fair["tenants"] if t["tenant"] != "t0"]
