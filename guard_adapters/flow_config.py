@@ -3,7 +3,8 @@
 Reads: the two variables' text. ``PIG_PRIORITY_BANDS`` is a comma-separated list of bands,
 highest priority first, each ``name`` followed by optional ``:key=value`` parts: ``reserve``
 (a share of the cap below 1, or whole slots), ``wait`` (seconds, the band's longest short wait;
-0 refuses at once) and ``default`` (no value: the band of requests whose tier header names no
+0 refuses at once), ``priority`` (an integer: the value backend priority injection writes for
+the band) and ``default`` (no value: the band of requests whose tier header names no
 band). For example ``premium:reserve=0.1,standard:default,batch:wait=0``.
 ``PIG_TENANT_WEIGHTS`` is ``name=weight,...`` (weights > 0; a tenant not listed weighs 1).
 Guarantees: each parser returns its value and the list of problems found (all of them, each
@@ -20,7 +21,7 @@ from guard_core.bands import Band, BandSpec
 
 __all__ = ("parse_bands", "parse_weights")
 
-_KEYS = ("reserve", "wait", "default")
+_KEYS = ("reserve", "wait", "priority", "default")
 
 
 def _number(text: str) -> float | None:
@@ -36,6 +37,7 @@ def _band(number: int, entry: str, problems: list[str]) -> tuple[Band, bool] | N
     name = name.lower()
     reserve: float | None = None
     wait: float | None = None
+    priority: int | None = None
     default = False
     found = len(problems)
     for part in parts:
@@ -47,6 +49,11 @@ def _band(number: int, entry: str, problems: list[str]) -> tuple[Band, bool] | N
             if equals:
                 problems.append(f"band {number} ({entry!r}): 'default' takes no value")
             default = True
+        elif key == "priority":
+            try:
+                priority = int(value)
+            except ValueError:
+                problems.append(f"band {number} ({entry!r}): priority must be an integer")
         elif (parsed := _number(value)) is None:
             problems.append(f"band {number} ({entry!r}): {key} must be a number, got {value!r}")
         elif key == "reserve":
@@ -56,7 +63,7 @@ def _band(number: int, entry: str, problems: list[str]) -> tuple[Band, bool] | N
     if len(problems) > found:
         return None
     try:
-        return Band(name, reserve=reserve, wait_s=wait), default
+        return Band(name, reserve=reserve, wait_s=wait, priority=priority), default
     except PolicyConfigError as error:
         problems.append(f"band {number} ({entry!r}): {error}")
         return None

@@ -10,7 +10,9 @@ Guarantees:
   agrees with the band;
 - the tenant is the single tenant value, trimmed, when it is printable ASCII of at most
   :data:`MAX_TENANT_CHARS` characters; anything else (no header configured, absent, repeated,
-  too long, odd bytes) is "" (counted as the shared ``other`` tenant).
+  too long, odd bytes) is "" (counted as the shared ``other`` tenant);
+- :func:`band_priority` gives a body-rewrite plan the band's own ``priority`` when it has one,
+  and leaves every other plan (and every decision of whether to write) as it was.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+import attrs
+
+from guard_adapters.openai_body import Plan
 from guard_core.bands import BandSpec, band_from_header_values
 from guard_core.tier import Tier, tier_from_header_values
 
-__all__ = ("MAX_TENANT_CHARS", "band_and_tier", "tenant_key")
+__all__ = ("MAX_TENANT_CHARS", "band_and_tier", "band_priority", "tenant_key")
 
 #: The longest tenant key kept; a longer value is no tenant of its own.
 MAX_TENANT_CHARS: Final = 128
@@ -46,3 +51,13 @@ def tenant_key(values: Sequence[bytes]) -> str:
     if not all(0x21 <= byte <= 0x7E for byte in value):
         return ""
     return value.decode("ascii")
+
+
+def band_priority(spec: BandSpec | None, band: str, plan: Plan) -> Plan:
+    """``plan`` with the trusted priority of ``band`` when the band names one."""
+    if spec is None or not band:
+        return plan
+    priority = spec.bands[spec.index_of(band)].priority
+    if priority is None or priority == plan.priority_value:
+        return plan
+    return attrs.evolve(plan, priority_value=priority)

@@ -12,6 +12,8 @@ Guarantees:
   bands share the single slot;
 - :data:`PIG_BANDS` (``premium`` reserving one slot, then ``basic``, the default) refuses exactly
   when PIG's tier rule does (:func:`guard_core.tier.basic_limit`), with the same code;
+- a band's ``priority`` only replaces the value backend priority injection writes for its
+  tier; whether anything is written stays the injection settings' choice;
 - a header value picks a band only when it is the single value the request carried and names a
   band after trimming and ASCII lower-casing; anything else gets the default band (the second
   band, or the one marked ``default``), as PIG gives basic.
@@ -77,6 +79,9 @@ class Band:
     #: The band's longest short wait in seconds (never above ``PIG_QUEUE_WAIT_SECONDS`` nor
     #: 0.5 s); 0: refused at once; ``None``: the guard's wait.
     wait_s: float | None = attrs.field(default=None, validator=_valid_wait)
+    #: The trusted priority written into the request body for this band when backend priority
+    #: injection is on (``BACKEND_PRIORITY_*``); ``None``: the tier's value (premium or basic).
+    priority: int | None = None
 
     @property
     def wait_cap_s(self) -> float | None:

@@ -43,7 +43,7 @@ from guard_adapters.exchange import (
     token_matches,
 )
 from guard_adapters.exchange import refusal_headers as standard_refusal_headers
-from guard_adapters.flow_headers import band_and_tier, tenant_key
+from guard_adapters.flow_headers import band_and_tier, band_priority, tenant_key
 from guard_adapters.http_head import SimpleRequest
 from guard_adapters.model_pools import models_document, request_model
 from guard_adapters.openai_body import (
@@ -489,6 +489,7 @@ class ProxyApp:
             content_length=content_length(headers),
             slot_free=self.rewrites_in_flight < self.injection.rewrite_limit,
         )
+        plan = band_priority(self.bands, notes.band, plan)  # a band's own priority, if any
         for name in plan.counts:
             notes.note_priority(name)
         try:

@@ -4,7 +4,8 @@
   band picked; a tenant key is kept only when it is one printable ASCII value of bounded length;
 - an arrival with a band and a tenant survives a recording line, and a line without them (a
   recording from before flow control) reads as an arrival with neither, byte for byte as before;
-- an admin admission message carries band and tenant only when flow control gave them.
+- an admin admission message carries band and tenant only when flow control gave them;
+- a band's ``priority`` replaces only the value priority injection writes, never whether.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from guard_adapters.admin_stream import admission_message
-from guard_adapters.flow_headers import MAX_TENANT_CHARS, band_and_tier, tenant_key
+from guard_adapters.flow_config import parse_bands
+from guard_adapters.flow_headers import MAX_TENANT_CHARS, band_and_tier, band_priority, tenant_key
+from guard_adapters.openai_body import InjectionPolicy
+from guard_adapters.openai_body import plan as body_plan
 from guard_adapters.recording import decode_line, encode
 from guard_core import Arrived, Tier, tier_from_header_values
 from guard_core.bands import Band, BandSpec
@@ -80,3 +84,27 @@ def test_admin_messages_carry_labels_only_with_flow_control() -> None:
     labelled = Arrived(at=0.0, request_id=1, tier=Tier.BASIC, band="silver", tenant="acme")
     message = admission_message(labelled, at=0.1, outcome="refused")
     assert (message["band"], message["tenant"]) == ("silver", "acme")
+
+
+def test_a_band_priority_replaces_only_the_value_written() -> None:
+    policy = InjectionPolicy(enabled=True, mode="all", premium_value=0, basic_value=10)
+    bands = BandSpec.of((Band("gold"), Band("silver"), Band("bronze", priority=50)), "silver")
+    for band, expected in (("bronze", 50), ("silver", 10), ("", 10)):
+        plan = body_plan(
+            policy, tier=Tier.BASIC, content_type=b"application/json", content_length=20
+        )
+        assert band_priority(bands, band, plan).priority_value == expected
+        assert band_priority(bands, band, plan).action == plan.action
+    plan = body_plan(policy, tier=Tier.BASIC, content_type=b"text/json", content_length=20)
+    assert band_priority(None, "bronze", plan) is plan
+
+
+def test_a_band_priority_is_read_from_the_spec() -> None:
+    spec, problems = parse_bands("gold:priority=-5,silver:default,bronze:priority=x")
+    assert spec is None
+    assert problems == ["band 3 ('bronze:priority=x'): priority must be an integer"]
+    spec, problems = parse_bands("gold:priority=-5,silver")
+    assert problems == []
+    assert spec is not None
+    assert spec.bands[0].priority == -5
+    assert spec.bands[1].priority is None
