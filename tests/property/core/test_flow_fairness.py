@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import guard_core as core
+from guard_core import tenants as tenant_rules
 from guard_core.bands import Band, BandSpec
 from guard_core.events import Arrived, Finished, Forwarded, Retried
 from guard_core.flow import FlowConfig, retry_order
@@ -241,3 +242,29 @@ def test_retry_order_puts_higher_bands_then_the_furthest_below_share_first() -> 
     order = retry_order(flow, state.requests, limit=5, inflight=5)
     # c's band first, then b (holding nothing), then a's two, oldest first.
     assert order == (9, 7, 6, 8)
+
+
+@given(
+    st.floats(0, 1000),
+    st.floats(0, 1000),
+    st.floats(0, 20),
+    st.floats(-5, 5),
+    st.floats(-5, 5),
+)
+def test_history_counts_against_a_tenant_at_most_max_lag(
+    service_a: float, service_b: float, lag: float, served_a: float, served_b: float
+) -> None:
+    """The starvation bound: between two tenants equally far below their shares, attained
+    service decides only up to ``max_lag`` beyond the least-served; past that, the one served
+    longest ago goes first, whatever its history."""
+    floor = min(service_a, service_b)
+    a = tenant_rules.TenantStats(inflight=1, waiting=1, service=service_a, served_at=served_a)
+    b = tenant_rules.TenantStats(inflight=1, waiting=1, service=service_b, served_at=served_b)
+    ra = tenant_rules.rank(a, 1.0, "a", share=2.0, floor=floor, max_lag=lag)
+    rb = tenant_rules.rank(b, 1.0, "b", share=2.0, floor=floor, max_lag=lag)
+    assert 0 <= ra[1] <= lag + 1e-9
+    assert 0 <= rb[1] <= lag + 1e-9
+    if min(service_a, floor + lag) < min(service_b, floor + lag):
+        assert ra < rb
+    if service_a - floor >= lag and service_b - floor >= lag:
+        assert (ra < rb) == ((served_a, "a") < (served_b, "b"))
