@@ -13,7 +13,9 @@ Guarantees:
   as the gate's;
 - with no tenant header configured, every request is one tenant and only the band rules
   apply; with :data:`~guard_core.bands.PIG_BANDS`, the band rules refuse exactly what PIG's
-  tier rule refuses.
+  tier rule refuses;
+- :func:`retry_order` ranks the waiters as :func:`refusal` does (band, then tenant, then
+  arrival), for a runtime to retry them in: the short wait served in fair order.
 """
 
 from __future__ import annotations
