@@ -292,10 +292,11 @@ def admission_message(
 ) -> dict[str, Any]:
     """One request's outcome: ``arrived`` is its arrival, ``at`` when the outcome came;
     ``code`` the refusal's reason (only for ``refused``); ``prediction`` the predictive
-    learner's verdict on its latest attempt, if it gave one."""
+    learner's verdict on its latest attempt, if it gave one; ``band`` and ``tenant`` when
+    flow control labelled the request."""
     if outcome not in OUTCOMES:
         raise ValueError(f"unknown outcome {outcome!r}")
-    return {
+    message = {
         "v": SCHEMA_VERSION,
         "type": "admission",
         "at": _finite(at),
@@ -307,3 +308,8 @@ def admission_message(
         "predicted_tps": None if prediction is None else _finite(prediction.user_tps),
         "predicted_ttft_s": None if prediction is None else _finite(prediction.ttft_s),
     }
+    if arrived.band or arrived.tenant:
+        # Flow control's labels, only when it gave them (PIG's messages are unchanged).
+        message["band"] = arrived.band or None
+        message["tenant"] = arrived.tenant or None
+    return message

@@ -84,6 +84,7 @@ from cattrs.gen import make_dict_structure_fn, override
 from guard_adapters._errors import ConfigError
 from guard_adapters._rules import Identifier, OneOf
 from guard_adapters._rules import shown as _shown
+from guard_adapters.flow_config import parse_bands, parse_weights
 from guard_adapters.model_pools import DISCOVER, ModelPools, parse_pools
 from guard_adapters.openai_body import (
     DEFAULT_OUTPUT_TOKEN_FIELDS,
@@ -92,6 +93,7 @@ from guard_adapters.openai_body import (
     InjectionPolicy,
 )
 from guard_core.decision import LoadState
+from guard_core.flow import FlowConfig
 from guard_core.gate import GateConfig
 from guard_core.guard import GuardConfig
 from guard_core.health import HealthConfig
@@ -110,6 +112,7 @@ from guard_core.settings import (
     problems,
 )
 from guard_core.signal_state import SignalThresholds
+from guard_core.tenants import TenantConfig
 
 __all__ = (
     "FAILURE_MODES",
@@ -168,6 +171,7 @@ _CORE_CONFIGS: Final = (
     AdaptiveOutputConfig,
     PredictiveConfig,
     HealthConfig,
+    TenantConfig,
 )
 
 
@@ -446,6 +450,13 @@ class Environment:
     pig_affinity_bound: float = 1.25
     pig_affinity_prefix_bytes: int = 4096
     pig_pools: str = ""
+    # -- inference-guard's flow control (docs/flow-control.md)
+    pig_priority_bands: str = ""
+    pig_tenant_header: str = ""
+    pig_tenant_weights: str = ""
+    pig_tenant_max: int = FROM_CONFIG
+    pig_tenant_token_unit: float = FROM_CONFIG
+    pig_tenant_max_lag: float = FROM_CONFIG
     # -- spec 2.7: SSE
     sse_keepalive_enabled: bool = False
     sse_early_bridge_enabled: bool = False
@@ -663,7 +674,35 @@ class Settings:
             failsafe=env.dynamic_failsafe_state,
             predictive=predictive,
             health=HealthConfig(**_values(HealthConfig, env)),
+            flow=self.flow_config,
         )
+
+    @property
+    def flow_config(self) -> FlowConfig | None:
+        """Bands and tenants (``PIG_PRIORITY_BANDS``, ``PIG_TENANT_*``); ``None`` while neither
+        bands nor a tenant header is configured: PIG's two tiers by the gate alone."""
+        env = self.env
+        bands = parse_bands(env.pig_priority_bands)[0]
+        header = self.tenant_header
+        if bands is None and header is None:
+            return None
+        tenants = self.tenant_config if header is not None else None
+        if bands is None:
+            return FlowConfig(tenants=tenants)
+        return FlowConfig(bands=bands, tenants=tenants)
+
+    @property
+    def tenant_config(self) -> TenantConfig:
+        """The tenant settings (``PIG_TENANT_WEIGHTS``, ``PIG_TENANT_*``), whether or not a
+        tenant header turns them on."""
+        weights = parse_weights(self.env.pig_tenant_weights)[0] or ()
+        return TenantConfig(weights=weights, **_values(TenantConfig, self.env))
+
+    @property
+    def tenant_header(self) -> bytes | None:
+        """``PIG_TENANT_HEADER`` as a lower-case header name; ``None``: no tenants."""
+        name = self.env.pig_tenant_header.strip().lower()
+        return name.encode("ascii") if name else None
 
     def redacted(self) -> dict[str, str]:
         """Every variable's effective value, written as the environment would hold it.
@@ -1118,6 +1157,7 @@ def _problems(env: Environment) -> list[Problem]:
     _routing_problems(c, _resolve_routing(env))
     _admin_problems(c)
     _pool_problems(c)
+    _flow_problems(c)
     _path_problems(c, f.pig_paths, required=True)
     c.above(f.proxy_timeout_seconds, 0)
     c.at_least(f.pig_status_log_interval_seconds, 0)
@@ -1167,6 +1207,21 @@ def _pool_problems(c: _Checks) -> None:
     names = [b.name for b in _resolve_routing(c.env).backends]
     for problem in parse_pools(c.env.pig_pools, names)[1]:
         c.add(["PIG_POOLS"], problem)
+
+
+def _flow_problems(c: _Checks) -> None:
+    """``PIG_PRIORITY_BANDS``, ``PIG_TENANT_HEADER`` and ``PIG_TENANT_WEIGHTS``
+    (guard_adapters.flow_config)."""
+    env = c.env
+    for problem in parse_bands(env.pig_priority_bands)[1]:
+        c.add(["PIG_PRIORITY_BANDS"], problem)
+    header = env.pig_tenant_header.strip()
+    if header and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", header):
+        c.add(["PIG_TENANT_HEADER"], f"{_shown(header)} is not a header name")
+    for problem in parse_weights(env.pig_tenant_weights)[1]:
+        c.add(["PIG_TENANT_WEIGHTS"], problem)
+    if env.pig_tenant_weights.strip() and not header:
+        c.add(["PIG_TENANT_WEIGHTS", "PIG_TENANT_HEADER"], "weights need a tenant header")
 
 
 def _admin_problems(c: _Checks) -> None:

@@ -79,6 +79,9 @@ class ExchangeNotes:
     #: The request took the admitted path (so its body size and tier are counted).
     admitted_path: bool = False
     tier: Tier | None = None
+    #: Its flow-control band and tenant ("" without flow control, or no tenant header value).
+    band: str = ""
+    tenant: str = ""
     #: The lane it was counted in (its body lane, combined with its output lane when known).
     lane: Lane = Lane.DEFAULT
     #: The declared body size (None: unknown, e.g. chunked).

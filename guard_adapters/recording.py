@@ -168,7 +168,8 @@ _POLL_KINDS = frozenset({Scrape.KIND, ScrapeFailed.KIND, Decision.KIND})
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
 # Optional fields are written only when set: a refusal under PIG's learner has no predicted
-# Retry-After, a decision no explanation, an arrival replayed from an old recording no id.
+# Retry-After, a decision no explanation, an arrival replayed from an old recording no id, and
+# an arrival without flow control no band or tenant (so such a line reads as it always did).
 _converter.register_unstructure_hook(
     Refused,
     make_dict_unstructure_fn(
@@ -180,7 +181,13 @@ _converter.register_unstructure_hook(
 )
 _converter.register_unstructure_hook(
     Arrived,
-    make_dict_unstructure_fn(Arrived, _converter, trace_id=override(omit_if_default=True)),
+    make_dict_unstructure_fn(
+        Arrived,
+        _converter,
+        trace_id=override(omit_if_default=True),
+        band=override(omit_if_default=True),
+        tenant=override(omit_if_default=True),
+    ),
 )
 _converter.register_unstructure_hook(
     Decision,

@@ -9,7 +9,9 @@ Policies:
 - :class:`Static` keeps a counter and refuses a request when ``limit`` are already in flight;
 - :class:`Guard` is ``guard_core`` itself, driven by the live engine's request events: every
   arrival is ``Arrived``; a ``Queued`` request is ``Retried`` after every slot release and
-  every poll and at :func:`~guard_core.next_check_at`; an admitted request is ``Forwarded``
+  every poll and at :func:`~guard_core.next_check_at` (with flow control, in the core's fair
+  order, :func:`~guard_core.flow.retry_order`, and again while any wait ends, as the live
+  engine does); an admitted request is ``Forwarded``
   and ``Finished`` when the engine ends it (the core gives its slot back and ends its prefill
   grace in that one step); its ``FirstToken`` carries the seconds since it reached the guard;
   every ``poll_interval_s`` the engine's metrics become a ``BackendSample`` and a
@@ -80,6 +82,7 @@ from guard_adapters.engine_model import (
     idle_prefill_s,
 )
 from guard_adapters.engine_pool import EnginePool
+from guard_adapters.fairness_results import summarise_tenants
 from guard_adapters.prefix_cache import MOONCAKE_BLOCK_TOKENS, PrefixCache
 from guard_adapters.sim_routing import RoutedRequest, Router, RoutingView, parse_routing
 from guard_adapters.simulation_results import (
@@ -96,7 +99,7 @@ from guard_adapters.simulation_results import (
     summarise,
     user_tps_series,
 )
-from guard_adapters.traces import TraceRequest, premium_flags
+from guard_adapters.traces import TraceRequest, premium_flags, tenant_labels
 from guard_core import (
     Admitted,
     Arrived,
@@ -119,6 +122,7 @@ from guard_core import (
     current_limit,
     next_check_at,
 )
+from guard_core.flow import retry_order
 from guard_core.traffic import BackendFinished, BackendForwarded
 
 __all__ = (
@@ -228,6 +232,7 @@ class _Req:
         "admitted_at",
         "arrival",
         "backend",
+        "band",
         "cached",
         "cap",
         "failed",
@@ -240,12 +245,17 @@ class _Req:
         "prompt",
         "reject_code",
         "rid",
+        "tenant",
         "tier",
         "tokens",
     )
 
-    def __init__(self, rid: int, request: TraceRequest, tier: Tier) -> None:
+    def __init__(
+        self, rid: int, request: TraceRequest, tier: Tier, tenant: str = "", band: str = ""
+    ) -> None:
         self.rid = rid
+        self.tenant = tenant
+        self.band = band
         self.arrival = request.arrival_s
         self.prompt = request.prompt_tokens
         self.output = request.output_tokens
@@ -285,6 +295,8 @@ class _Req:
             cached_prompt_tokens=self.cached,
             backend=self.backend,
             idle_prefill_s=idle_prefill_s(profile, max(1, self.prompt) - self.cached),
+            tenant=self.tenant,
+            band=self.band,
         )
 
 
@@ -303,11 +315,22 @@ class _Run:
         backends: int = 1,
         slow_backend: float = 1.0,
         router: Router | None = None,
+        tenants: int = 0,
+        heavy_share: float = 0.0,
     ) -> None:
         flags = premium_flags(len(trace), premium_share, seed=seed)
+        labels: Sequence[str] = [""] * len(trace)
+        if tenants:
+            labels = tenant_labels(len(trace), tenants, heavy_share, seed=seed)
+        flow = policy.config.flow if isinstance(policy, Guard) else None
+        self.flow = flow is not None
+        # The premium flag picks the first band, the rest go to the default one.
+        top, rest = "", ""
+        if flow is not None:
+            top, rest = flow.bands.names[0], flow.bands.names[flow.bands.default]
         self.reqs = [
-            _Req(i, r, Tier.PREMIUM if premium else Tier.BASIC)
-            for i, (r, premium) in enumerate(zip(trace, flags, strict=True))
+            _Req(i, r, Tier.PREMIUM if premium else Tier.BASIC, tenant, top if premium else rest)
+            for i, (r, premium, tenant) in enumerate(zip(trace, flags, labels, strict=True))
         ]
         self.policy = policy
         engines = [Engine(profile, seed=seed + i, token_events=False) for i in range(backends)]
@@ -447,7 +470,12 @@ class _Run:
     def _arrive(self, req: _Req, at: float) -> None:
         if self.guard is not None:
             event = Arrived(
-                at=at, request_id=req.rid, tier=req.tier, body_bytes=_body_bytes(req.prompt)
+                at=at,
+                request_id=req.rid,
+                tier=req.tier,
+                body_bytes=_body_bytes(req.prompt),
+                band=req.band,
+                tenant=req.tenant,
             )
             step = apply_guard_event(self.guard, event)
             self.guard = step.state
@@ -458,13 +486,30 @@ class _Run:
             req.reject_code = "static_limit"
 
     def _retry(self, at: float, *, everyone: bool) -> None:
-        for rid, (_, check) in list(self.waiters.items()):
-            if rid not in self.waiters or (not everyone and check > at):
-                continue
-            assert self.guard is not None
-            step = apply_guard_event(self.guard, Retried(at=at, request_id=rid))
-            self.guard = step.state
-            self._settle(self.reqs[rid], step.outcome, at)
+        while True:
+            ended = False
+            for rid in self._retry_order():
+                entry = self.waiters.get(rid)
+                if entry is None or (not everyone and entry[1] > at):
+                    continue
+                assert self.guard is not None
+                step = apply_guard_event(self.guard, Retried(at=at, request_id=rid))
+                self.guard = step.state
+                self._settle(self.reqs[rid], step.outcome, at)
+                ended = ended or not isinstance(step.outcome, Queued)
+            # Flow control ranks waiters: as the live engine does, a wait that ended (a slot
+            # taken or given up) wakes the others again, since one passed over may be next now.
+            if not (ended and self.waiters and self.flow):
+                return
+            everyone = True
+
+    def _retry_order(self) -> tuple[int, ...]:
+        """Waiters in arrival order; with flow control, in its fair order (as the engine)."""
+        guard = self.guard
+        if guard is None or guard.flow is None:
+            return tuple(self.waiters)
+        limit = current_limit(guard.gate)[0]
+        return retry_order(guard.flow, guard.requests, limit=limit, inflight=guard.gate.inflight)
 
     def _poll(self, at: float) -> None:
         assert self.guard is not None
@@ -646,6 +691,8 @@ def simulate(
     backends: int = 1,
     slow_backend: float = 1.0,
     routing: Router | str = "round-robin",
+    tenants: int = 0,
+    heavy_share: float = 0.0,
 ) -> SimulationResult:
     """Run ``trace`` through ``policy`` in front of a fresh simulated engine.
 
@@ -659,6 +706,11 @@ def simulate(
     whole run, and ``routing`` places each admitted request (see
     :mod:`guard_adapters.sim_routing`; a name gives a fresh router). One backend (the default)
     is exactly the single-engine simulation, whatever the routing.
+
+    ``tenants`` (2 or more) labels each request with a tenant, ``t0`` (the heavy one) with
+    chance ``heavy_share`` and one of the others uniformly otherwise
+    (:func:`~guard_adapters.traces.tenant_labels`); the guard sees the label as its tenant key
+    when its settings enable tenants, and the result gains per-tenant figures.
     """
     if isinstance(policy, str):
         policy = parse_policy(policy, guard_config)
@@ -688,6 +740,8 @@ def simulate(
         backends=backends,
         slow_backend=slow_backend,
         router=router,
+        tenants=tenants,
+        heavy_share=heavy_share,
     )
     last_arrival, end = run.run()
     outcomes = tuple(req.frozen(profile) for req in run.reqs)
@@ -723,4 +777,5 @@ def simulate(
         backends=backend_loads(outcomes, run.names, duration_s=duration, end_s=end),
         prefix_hit_rate=prefix_hit_rate(outcomes),
         routes=dict(router.reasons()),
+        fairness=summarise_tenants(outcomes, duration) if tenants else None,
     )

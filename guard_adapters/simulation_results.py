@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
 from guard_core import Tier
+
+if TYPE_CHECKING:
+    from guard_adapters.fairness_results import FairnessSummary
 
 __all__ = (
     "GOOD_TPS",
@@ -73,6 +76,9 @@ class RequestOutcome:
     #: Seconds the uncached part of its prompt alone takes to prefill on an idle engine of the
     #: profile (see :func:`~guard_adapters.engine_model.idle_prefill_s`); 0 when not computed.
     idle_prefill_s: float = 0.0
+    #: Its tenant (``simulate --tenants``; "": none) and priority band name ("": the tier's).
+    tenant: str = ""
+    band: str = ""
 
     @property
     def ttft_s(self) -> float | None:
@@ -195,6 +201,8 @@ class SimulationResult:
     prefix_hit_rate: float | None = None
     #: Why the guard's router chose (``affinity`` / ``ranked``), counted.
     routes: Mapping[str, int] = attrs.field(factory=dict)
+    #: Per-tenant figures when the run had tenants (``simulate --tenants``).
+    fairness: FairnessSummary | None = None
 
     def as_json(self) -> dict[str, dict[str, Any]]:
         return {tier: self.summary[tier].as_json() for tier in TIERS}

@@ -19,7 +19,8 @@ Guarantees:
   Mooncake rows without the key;
 - :func:`scale_rate` and :func:`head` keep the order, the token counts and the ``hash_ids``;
 - :func:`premium_flags` is a pure function of ``(count, share, seed)`` and the flags of a prefix
-  of a trace are the prefix of the flags of the whole trace.
+  of a trace are the prefix of the flags of the whole trace; so is :func:`tenant_labels` of
+  its arguments, for the tenants of a simulation.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ __all__ = (
     "premium_flags",
     "read_trace",
     "scale_rate",
+    "tenant_labels",
 )
 
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -270,3 +272,18 @@ def premium_flags(count: int, share: float, *, seed: int) -> tuple[bool, ...]:
         raise ValueError(f"the premium share must be in [0, 1], got {share!r}")
     rng = random.Random(seed)
     return tuple(rng.random() < share for _ in range(count))
+
+
+def tenant_labels(count: int, tenants: int, heavy_share: float, *, seed: int) -> tuple[str, ...]:
+    """The tenant of each of ``count`` requests: ``t0`` (the heavy one) with chance
+    ``heavy_share``, else one of ``t1`` .. ``t{tenants - 1}`` uniformly; a pure function of its
+    arguments, drawn from its own stream (the premium flags of the same seed do not change)."""
+    if tenants < 2:
+        raise ValueError(f"tenant labels need at least 2 tenants, got {tenants}")
+    if not 0.0 <= heavy_share < 1.0:
+        raise ValueError(f"the heavy share must be in [0, 1), got {heavy_share!r}")
+    rng = random.Random(f"tenants/{seed}")
+    return tuple(
+        "t0" if rng.random() < heavy_share else f"t{rng.randrange(1, tenants)}"
+        for _ in range(count)
+    )

@@ -6,6 +6,7 @@ modules are imported, so any runtime can embed it.
 """
 
 from guard_core._errors import GuardError, InvalidObservation, PolicyConfigError
+from guard_core.bands import PIG_BANDS, Band, BandSpec
 from guard_core.composition import COMPONENT_ORDER, CapComponents, ComposedCap, compose
 from guard_core.decision import (
     Admission,
@@ -30,6 +31,7 @@ from guard_core.events import (
     RequestEvent,
     Retried,
 )
+from guard_core.flow import FlowConfig, FlowState
 from guard_core.gate import (
     DecisionPublished,
     GateConfig,
@@ -52,6 +54,7 @@ from guard_core.policy import PolicyConfig
 from guard_core.predictive import Binding, Prediction, PredictiveConfig, PredictiveState
 from guard_core.routing import DEFAULT_QOS_PATHS, PathPolicy
 from guard_core.signal_state import SignalThresholds
+from guard_core.tenants import TenantConfig
 from guard_core.tier import Tier, basic_limit, premium_reserved, tier_from_header_values
 from guard_core.upstream_errors import Reclassified, reclassify
 from guard_core.upstream_status import UpstreamStatus, upstream_status_digit
@@ -59,12 +62,15 @@ from guard_core.upstream_status import UpstreamStatus, upstream_status_digit
 __all__ = (
     "COMPONENT_ORDER",
     "DEFAULT_QOS_PATHS",
+    "PIG_BANDS",
     "Abandoned",
     "Admission",
     "Admitted",
     "Arrived",
     "BackendPoll",
     "BackendSample",
+    "Band",
+    "BandSpec",
     "Binding",
     "CapComponents",
     "ComposedCap",
@@ -73,6 +79,8 @@ __all__ = (
     "Finished",
     "FirstToken",
     "Flavour",
+    "FlowConfig",
+    "FlowState",
     "Forwarded",
     "GateConfig",
     "GateState",
@@ -109,6 +117,7 @@ __all__ = (
     "SlotRequested",
     "Snapshot",
     "StateReason",
+    "TenantConfig",
     "Tier",
     "UpstreamStatus",
     "WaitAbandoned",

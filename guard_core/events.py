@@ -56,6 +56,11 @@ class Arrived(_Event):
     #: The id the client was answered with (its ``X-Request-Id``), to find a request by it in a
     #: recording; the policy does not read it.
     trace_id: str = ""
+    #: The priority band its trusted tier header named (``PIG_PRIORITY_BANDS``; "": the default
+    #: band) and its trusted tenant key (``PIG_TENANT_HEADER``; "": none). Read only when flow
+    #: control is configured; a recording made before these existed replays with both "".
+    band: str = ""
+    tenant: str = ""
 
 
 @attrs.frozen(kw_only=True)

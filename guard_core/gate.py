@@ -13,7 +13,8 @@ Guarantees:
 - premium may use the whole cap; basic never takes a slot reserved for premium and is refused
   with ``tier_priority`` while any premium request waits;
 - the short wait is a pure function of the latest decision and the refusal code (spec 4.3) and
-  never exceeds ``min(PIG_QUEUE_WAIT_SECONDS, 0.5 s)``;
+  never exceeds ``min(PIG_QUEUE_WAIT_SECONDS, 0.5 s)``; a request's own ``wait_cap_s`` (its
+  priority band's wait) only shortens it;
 - the failure mode (``PIG_FAILURE_MODE``) decides only what a decision that says no backend is
   usable (no metrics yet, every metrics source failing) does: ``close`` (the default, PIG's)
   refuses every attempt with ``backend_unavailable``; ``open`` admits within ``GLOBAL_LIMIT``
@@ -149,6 +150,8 @@ class SlotRequested:
     tier: Tier
     #: The request body's size, for a learner that weighs each request; ``None`` if unknown.
     body_bytes: int | None = None
+    #: A shorter short wait for this request (its priority band's ``wait``); ``None``: none.
+    wait_cap_s: float | None = None
 
 
 @attrs.frozen
@@ -323,6 +326,8 @@ def refuse(state: GateState, event: SlotRequested | WaitRetried, code: RejectCod
             return GateStep(_with_counts(state, tier, inflight=0, waiting=-1), Rejected(code))
         return GateStep(state, attrs.evolve(queued, code=code))
     wait = short_wait_s(state.decision, code, state.config)
+    if event.wait_cap_s is not None:
+        wait = min(wait, event.wait_cap_s)
     if wait <= 0:
         return GateStep(state, Rejected(code))
     fresh = Queued(

@@ -48,6 +48,7 @@ from guard_core.evaluation import (
     evaluate_round,
 )
 from guard_core.events import Arrived, RequestEvent
+from guard_core.flow import FlowConfig, FlowState
 from guard_core.gate import GateConfig, GateState
 from guard_core.health import (
     BackendFailed,
@@ -108,6 +109,9 @@ class GuardConfig:
     adaptive_output: AdaptiveOutputConfig | None = None
     #: Passive outlier ejection and the "full" hold (:mod:`guard_core.health`).
     health: HealthConfig = attrs.field(factory=HealthConfig)
+    #: Priority bands and tenant fairness (:mod:`guard_core.flow`); ``None``: PIG's two tiers
+    #: by the gate alone.
+    flow: FlowConfig | None = None
 
 
 @attrs.frozen
@@ -146,6 +150,8 @@ class GuardState:
     health: HealthState = attrs.field(factory=HealthState)
     #: Every request waiting for a slot or holding one, by id (:mod:`guard_core.requests`).
     requests: Mapping[int, Tracked] = attrs.field(factory=dict)
+    #: Counts per priority band and tenant (:mod:`guard_core.flow`); ``None`` when unconfigured.
+    flow: FlowState | None = None
 
     @classmethod
     def initial(cls, config: GuardConfig, *, at: float) -> GuardState:
@@ -158,12 +164,14 @@ class GuardState:
         predictive = None
         if config.predictive is not None:
             predictive = PredictiveState.initial(config.predictive)
+        flow = None if config.flow is None else FlowState.initial(config.flow)
         return cls(
             config=config,
             gate=gate,
             learner=learner,
             predictive=predictive,
             published=Published(decision=gate.decision),
+            flow=flow,
         )
 
 

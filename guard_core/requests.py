@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from guard_core import flow as flow_rules
 from guard_core import gate as gate_rules
 from guard_core import predictive as predictive_rules
 from guard_core._values import replace
@@ -63,6 +64,10 @@ class Tracked:
     body_bytes: int | None = None
     queued: Queued | None = None
     forwarded: bool = False
+    #: Its priority band (an index into the flow config's bands) and tenant key, when flow
+    #: control is configured (:mod:`guard_core.flow`).
+    band: int = 0
+    tenant: str = ""
 
 
 def _with(
@@ -141,15 +146,39 @@ def _attempt(
     """Judge one attempt and file the request by its outcome: holding, waiting or gone."""
     prediction: Prediction | None = None
     step: gate_rules.GateStep
-    if (
+    predicting = (
         state.predictive is not None
         and state.gate.config.dynamic
         and not gate_rules.failing_open(state.gate)
-    ):
+    )
+    if predicting:
         # Learning without enforcing (DYNAMIC_PIG_ENFORCE=false) predicts but never refuses.
         step, prediction = _predictive_attempt(state, event)
     else:
         step = gate_rules.apply(state.gate, event)
+    flow = state.flow
+    if flow is not None:
+        if isinstance(step.outcome, Admitted):
+            limit, _ = gate_rules.current_limit(state.gate)
+            code = flow_rules.refusal(
+                flow,
+                tracked.band,
+                tracked.tenant,
+                limit=limit,
+                inflight=state.gate.inflight,
+            )
+            if code is not None:
+                step = gate_rules.refuse(state.gate, event, code)
+        flow = flow_rules.settled(
+            flow,
+            tracked.band,
+            tracked.tenant,
+            was_waiting=tracked.queued is not None,
+            admitted=isinstance(step.outcome, Admitted),
+            waits=isinstance(step.outcome, Queued),
+            body_bytes=tracked.body_bytes,
+            at=event.at,
+        )
     outcome = step.outcome
     learner = state.learner
     if isinstance(outcome, Rejected) and outcome.code in _DYNAMIC_REJECTS:
@@ -170,6 +199,7 @@ def _attempt(
     unchanged = step.state is state.gate and learner is state.learner and verdict is state.verdict
     if (
         unchanged
+        and flow is state.flow
         and traffic is state.traffic
         and isinstance(outcome, Rejected)
         and request_id not in state.requests
@@ -181,7 +211,14 @@ def _attempt(
     elif isinstance(outcome, Queued):
         filed = replace(tracked, queued=outcome)
     state = _with(
-        state, request_id, filed, gate=step.state, learner=learner, verdict=verdict, traffic=traffic
+        state,
+        request_id,
+        filed,
+        gate=step.state,
+        learner=learner,
+        verdict=verdict,
+        traffic=traffic,
+        flow=flow,
     )
     return state, outcome
 
@@ -220,6 +257,9 @@ def _forward(state: GuardState, request_id: int, tracked: Tracked, at: float) ->
 def _finish(state: GuardState, request_id: int, tracked: Tracked, at: float) -> GuardState:
     """The slot goes back and, for a forwarded request, its prefill grace ends: one step."""
     gate = gate_rules.apply(state.gate, gate_rules.SlotReleased(at, tracked.tier)).state
+    if state.flow is not None:
+        flow = flow_rules.finished(state.flow, tracked.band, tracked.tenant)
+        state = replace(state, flow=flow)
     if not tracked.forwarded:
         return _with(state, request_id, None, gate=gate)
     learner = state.learner
@@ -247,9 +287,20 @@ def _first_token(state: GuardState, event: FirstToken) -> GuardState:
 def _arrived(state: GuardState, event: Arrived) -> _Step:
     if event.request_id in state.requests:
         return state, None  # the id is taken: not a new request
-    tracked = Tracked(tier=event.tier, arrived_at=event.at, body_bytes=event.body_bytes)
-    attempt = gate_rules.SlotRequested(event.at, event.tier, event.body_bytes)
-    return _attempt(state, event.request_id, tracked, attempt)
+    flow = state.flow
+    if flow is None:
+        tracked = Tracked(tier=event.tier, arrived_at=event.at, body_bytes=event.body_bytes)
+        attempt = gate_rules.SlotRequested(event.at, event.tier, event.body_bytes)
+        return _attempt(state, event.request_id, tracked, attempt)
+    flow, band, tenant = flow_rules.arrived(flow, event.band, event.tenant, at=event.at)
+    spec = flow.config.bands
+    tier = spec.tier_of(band)  # the band decides the tier, so a replay under other bands agrees
+    tracked = Tracked(
+        tier=tier, arrived_at=event.at, body_bytes=event.body_bytes, band=band, tenant=tenant
+    )
+    wait_cap = spec.bands[band].wait_cap_s
+    attempt = gate_rules.SlotRequested(event.at, tier, event.body_bytes, wait_cap)
+    return _attempt(replace(state, flow=flow), event.request_id, tracked, attempt)
 
 
 def apply(state: GuardState, event: RequestEvent) -> _Step:
@@ -269,6 +320,9 @@ def apply(state: GuardState, event: RequestEvent) -> _Step:
         if queued is None:
             return state, None
         gate = gate_rules.apply(state.gate, gate_rules.WaitAbandoned(event.at, queued)).state
+        if state.flow is not None:
+            flow = flow_rules.abandoned(state.flow, tracked.band, tracked.tenant)
+            return _with(state, request_id, None, gate=gate, flow=flow), None
         return _with(state, request_id, None, gate=gate), None
     if isinstance(event, FirstToken | Finished):
         if queued is not None:

@@ -54,8 +54,11 @@ from guard_core import (
     Retried,
     Tier,
     apply_guard_event,
+    current_limit,
     next_check_at,
 )
+from guard_core.flow import retry_order
+from guard_core.guard import refuses_at_once
 from guard_core.health import HealthEvent
 from guard_core.traffic import TrafficEvent
 
@@ -149,6 +152,9 @@ class GuardEngine:
         self._ids = ids if ids is not None else itertools.count(1)
         #: The pool it admits for ("" for PIG's single pool).
         self.name = name
+        #: With flow control, the waiting attempts the engine retries itself, in fair order,
+        #: and the event that wakes each one's task when its wait ended.
+        self._ranked: dict[int, tuple[Attempt, trio.Event]] = {}
 
     # -- time: the core sees seconds since the engine started ------------------------------------
 
@@ -170,14 +176,49 @@ class GuardEngine:
     def _notify(self) -> None:
         self._wake.set()
         self._wake = trio.Event()
+        if self._ranked:
+            self._retry_in_order()
+
+    def _retry_in_order(self) -> None:
+        """Flow control: retry every waiter now, in the core's fair order (higher bands first,
+        then the tenant furthest below its share), again while any wait ends, and wake the
+        ones that ended; room the gate does not count in slots goes to the fairest that fits."""
+        ended = True
+        while ended and self._ranked:
+            ended = False
+            state = self.state
+            flow = state.flow
+            assert flow is not None
+            limit = current_limit(state.gate)[0]
+            order = retry_order(flow, state.requests, limit=limit, inflight=state.gate.inflight)
+            for request_id in order:
+                entry = self._ranked.get(request_id)
+                if entry is None:
+                    continue
+                attempt, woken = entry
+                retried = Retried(at=self._at(), request_id=request_id)
+                attempt.outcome, attempt.binding = self._attempt(retried)
+                if not isinstance(attempt.outcome, Queued):
+                    self._conclude(attempt, retried.at)
+                    del self._ranked[request_id]
+                    woken.set()
+                    ended = True
 
     # -- admission -----------------------------------------------------------------------------
 
     def begin(
-        self, tier: Tier, *, path: str = "", body_bytes: int | None = None, trace_id: str = ""
+        self,
+        tier: Tier,
+        *,
+        path: str = "",
+        body_bytes: int | None = None,
+        trace_id: str = "",
+        band: str = "",
+        tenant: str = "",
     ) -> Attempt:
         """Ask for a slot now, without waiting: the attempt is applied once, and comes back
-        settled (a slot or a refusal) unless it was queued; :meth:`settle` finishes it."""
+        settled (a slot or a refusal) unless it was queued; :meth:`settle` finishes it.
+        ``band`` and ``tenant`` are the request's flow-control labels ("" without them)."""
         request_id = next(self._ids)
         arrived = self._at()
         outcome, binding = self._attempt(
@@ -188,6 +229,8 @@ class GuardEngine:
                 body_bytes=body_bytes,
                 path=path,
                 trace_id=trace_id,
+                band=band,
+                tenant=tenant,
             )
         )
         attempt = Attempt(
@@ -197,6 +240,22 @@ class GuardEngine:
             self._conclude(attempt, arrived)  # at once: the same instant
         return attempt
 
+    def refuses_at_once(
+        self, tier: Tier, length: int | None, band: str = "", tenant: str = ""
+    ) -> bool:
+        """The gate would refuse a slot request now, with no wait: a pure peek at the state
+        (nothing is applied, nothing recorded)."""
+        # Id 0 is never one of the engine's, and the step is dropped: nothing is applied.
+        attempt = Arrived(
+            at=self._at(),
+            request_id=0,
+            tier=tier,
+            body_bytes=length,
+            band=band,
+            tenant=tenant,
+        )
+        return refuses_at_once(self.state, attempt)
+
     async def admit(
         self, tier: Tier, *, path: str = "", body_bytes: int | None = None
     ) -> AdmissionResult:
@@ -205,6 +264,8 @@ class GuardEngine:
 
     async def settle(self, attempt: Attempt) -> AdmissionResult:
         """Wait out a queued attempt (at once for a settled one)."""
+        if self.state.flow is not None:
+            return await self._settle_ranked(attempt)
         while attempt.result is None:
             queued = attempt.outcome
             assert isinstance(queued, Queued)
@@ -220,6 +281,34 @@ class GuardEngine:
             attempt.outcome, attempt.binding = self._attempt(retried)
             if not isinstance(attempt.outcome, Queued):
                 self._conclude(attempt, retried.at)
+        return attempt.result
+
+    async def _settle_ranked(self, attempt: Attempt) -> AdmissionResult:
+        """:meth:`settle` under flow control: wake-ups retry the waiters in fair order
+        (:meth:`_retry_in_order`); the attempt's own timer (its fallback re-check, its deadline)
+        retries it alone, and a wait it ends that way lets the others try again."""
+        while attempt.result is None:
+            queued = attempt.outcome
+            assert isinstance(queued, Queued)
+            woken = trio.Event()
+            self._ranked[attempt.request_id] = (attempt, woken)
+            check_at = next_check_at(queued, now=self._at(), config=self.state.config.gate)
+            try:
+                with trio.move_on_at(self._origin + check_at):
+                    await woken.wait()
+            except trio.Cancelled:
+                self._ranked.pop(attempt.request_id, None)
+                self.abandon(attempt)
+                raise
+            self._ranked.pop(attempt.request_id, None)
+            if attempt.result is not None:
+                break  # ended by a wake-up's ordered retry
+            retried = Retried(at=self._at(), request_id=attempt.request_id)
+            attempt.outcome, attempt.binding = self._attempt(retried)
+            if not isinstance(attempt.outcome, Queued):
+                self._conclude(attempt, retried.at)
+                self._notify()  # a claim on a free slot may have ended with it
+        assert attempt.result is not None
         return attempt.result
 
     def abandon(self, attempt: Attempt) -> None:

@@ -20,7 +20,9 @@ Guarantees:
 With ``DYNAMIC_POLICY=predictive`` a block of ``inference_guard_predictive_*`` families follows
 the dynamic one: the predictions behind the latest cap and the latest verdict, the engine
 model's fit, what the learner has learned of the traffic, and the refusals by binding
-constraint; under PIG's learner the page is exactly PIG's.
+constraint; under PIG's learner the page is exactly PIG's. With flow control configured
+(``PIG_PRIORITY_BANDS``, ``PIG_TENANT_HEADER``) an ``inference_guard_flow_*`` block ends the
+page (:mod:`guard_trio._metrics_flow_rows`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from guard_core.predictive import Binding
 from guard_core.tier import Tier
 from guard_trio._http import fetch
 from guard_trio._metrics_dynamic_rows import DYNAMIC_ROWS, PREDICTIVE_ROWS
+from guard_trio._metrics_flow_rows import FLOW_ROWS
 from guard_trio._metrics_instruments import (
     BODY_BUCKETS_BYTES,
     CONTENT_TYPE,
@@ -96,6 +99,7 @@ SECTIONS: Final[tuple[Section[Scrape], ...]] = (
     Section("classifier", CLASSIFIER_ROWS),
     Section("priority", PRIORITY_ROWS),
     Section("lanes", LANE_ROWS),
+    Section("flow", FLOW_ROWS, lambda s: s.state.flow is not None),
 )
 
 
@@ -211,6 +215,8 @@ class GuardMetrics:
         self.lanes = {lane: LaneMetrics(lane) for lane in Lane}
         # the predictive learner: 429s by the constraint that refused them
         self.predictive_refusals = {binding: EventCounter() for binding in Binding}
+        # flow control: admissions by band and outcome (bands are few and configured)
+        self.band_outcomes: dict[tuple[str, str], EventCounter] = {}
 
         # With ``PIG_POOLS`` the server sets these; the PIG families describe the first pool.
         self.pooled, self.pool_states, self.state_of_backend = (
@@ -252,6 +258,12 @@ class GuardMetrics:
                 self.queue_wait.observe(waited)
         if outcome.admission is Admission.ABANDONED:
             self.queue_timeout.inc()
+        if outcome.band and outcome.admission is not None:
+            key = (outcome.band, outcome.admission.value)
+            counted = self.band_outcomes.get(key)
+            if counted is None:
+                counted = self.band_outcomes[key] = EventCounter()
+            counted.inc()
         if outcome.disconnect is not None:
             self.client_disconnects[outcome.disconnect.value].inc()
             if outcome.disconnect is not Disconnect.QUEUE:

@@ -22,7 +22,7 @@ Guarantees:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import h11
@@ -46,6 +46,7 @@ from guard_adapters.exchange import (
     token_digest,
     token_matches,
 )
+from guard_adapters.flow_headers import band_and_tier, band_priority, tenant_key
 from guard_adapters.http_head import SimpleRequest
 from guard_adapters.model_pools import request_model
 from guard_adapters.openai_body import (
@@ -64,14 +65,11 @@ from guard_adapters.outcome import (
     TraceIds,
 )
 from guard_core import (
-    Arrived,
     Lane,
     RejectCode,
     Tier,
     body_lane,
-    tier_from_header_values,
 )
-from guard_core.guard import refuses_at_once
 from guard_core.lanes import (
     DEFAULT_OUTPUT_THRESHOLDS,
     Thresholds,
@@ -155,6 +153,10 @@ class ProxyApp:
         self.relay = Relay(self)
         #: ``PIG_POOLS``: the backends of each routed model (None: PIG's single pool).
         self.model_pools = settings.model_pools
+        flow = settings.flow_config
+        #: Flow control's bands (None: PIG's tiers, no band label) and tenant header.
+        self.bands = None if flow is None else flow.bands
+        self.tenant_header = settings.tenant_header
 
     # -- small responses -----------------------------------------------------------------------
 
@@ -163,6 +165,12 @@ class ProxyApp:
         sent in place of ``PIG_RETRY_AFTER_SECONDS`` when ``PIG_RETRY_AFTER_MODE`` is
         ``predicted``; ``PIG_RETRY_AFTER_SECONDS=0`` sends no Retry-After at all."""
         await down.respond(429, list(self.refusals.headers(predicted_s)), TOO_MANY_REQUESTS_BODY)
+
+    def labels(self, values: Callable[[bytes], Sequence[bytes]]) -> tuple[Tier, str, str]:
+        """The request's tier, band and tenant from its trusted headers (``values(name)``)."""
+        band, tier = band_and_tier(self.bands, values(b"x-user-tier"))
+        header = self.tenant_header
+        return tier, band, "" if header is None else tenant_key(values(header))
 
     def admit_simple(
         self, request: SimpleRequest, body: bytes = b""
@@ -187,10 +195,12 @@ class ProxyApp:
         raw_path, token_checked = route
         if token_checked and not self.authorized(list(request.headers)):
             return None, None
-        tier = tier_from_header_values(request.values(b"x-user-tier"))
+        tier, band, tenant = self.labels(request.values)
         length = request.body_length
         trace_id = self.trace_id(request.values(b"x-request-id"))
-        attempt = engine.begin(tier, path=raw_path, body_bytes=length, trace_id=trace_id)
+        attempt = engine.begin(
+            tier, path=raw_path, body_bytes=length, trace_id=trace_id, band=band, tenant=tenant
+        )
         result = attempt.result
         if result is None or result.code is None:
             return attempt, None  # admitted or queued: the full path serves it
@@ -202,6 +212,8 @@ class ProxyApp:
                 request_id=attempt.request_id,
                 admitted_path=True,
                 tier=tier,
+                band=band,
+                tenant=tenant,
                 lane=body_lane(length, self.body_thresholds),
                 body_bytes=length,
                 admission=Admission.REFUSED,
@@ -281,15 +293,16 @@ class ProxyApp:
         begun: Attempt | None = None,
     ) -> None:
         """QoS: wait for a slot (or a refusal), then forward; the slot is released once."""
-        tier = tier_from_header_values(header_values(headers, b"x-user-tier"))
+        tier, band, tenant = self.labels(lambda name: header_values(headers, name))
         length = content_length(headers)
         lane = body_lane(length, self.body_thresholds)
         notes = down.notes
         notes.admitted_path, notes.tier, notes.lane, notes.body_bytes = True, tier, lane, length
+        notes.band, notes.tenant = band, tenant
         path = request.target.decode("latin-1").partition("?")[0]
         pooled = self.model_pools is not None
-        peek = peek_first(length, classify=self.classify, pooled=pooled)
-        if begun is None and peek and self.refused_at_once(tier, length):
+        peek = begun is None and peek_first(length, classify=self.classify, pooled=pooled)
+        if peek and self.engine.refuses_at_once(tier, length, band, tenant):
             # Decided from the head alone: the body is neither read nor parsed for a 429.
             await self.refuse_early(down, tier, path=path, length=length)
             return
@@ -323,7 +336,12 @@ class ProxyApp:
                 nursery.start_soon(down.watch_for_disconnect, client_scope)
                 if begun is None:
                     begun = engine.begin(
-                        tier, path=path, body_bytes=length, trace_id=notes.trace_id
+                        tier,
+                        path=path,
+                        body_bytes=length,
+                        trace_id=notes.trace_id,
+                        band=band,
+                        tenant=tenant,
                     )
                 notes.request_id = begun.request_id
                 result = await engine.settle(begun)
@@ -356,23 +374,18 @@ class ProxyApp:
             await down.skip_body()
             await self.too_many_requests(down, result.retry_after_s)
 
-    def refused_at_once(self, tier: Tier, length: int | None) -> bool:
-        """The gate would refuse a slot request now, with no wait (a peek: nothing applied;
-        id 0 is never one of the engine's)."""
-        at = self.engine.seconds_since_start()
-        return refuses_at_once(
-            self.engine.state, Arrived(at=at, request_id=0, tier=tier, body_bytes=length)
-        )
-
     async def refuse_early(
         self, down: Downstream, tier: Tier, *, path: str, length: int | None
     ) -> None:
-        """The 429 of :meth:`refused_at_once`, through the engine (recorded and counted as any
+        """The 429 of ``refuses_at_once``, through the engine (recorded and counted as any
         refusal); a short body is dropped, a longer one left unread and the connection closed."""
         started = trio.current_time()
         notes = down.notes
         # Nothing awaited since the peek: the same state gives the same immediate refusal.
-        attempt = self.engine.begin(tier, path=path, body_bytes=length, trace_id=notes.trace_id)
+        labels = {"band": notes.band, "tenant": notes.tenant}
+        attempt = self.engine.begin(
+            tier, path=path, body_bytes=length, trace_id=notes.trace_id, **labels
+        )
         result = await self.engine.settle(attempt)
         if result.slot is not None:  # pragma: no cover - the reducer is deterministic
             result.slot.release(0)
@@ -424,6 +437,7 @@ class ProxyApp:
             content_length=content_length(headers),
             slot_free=self.rewrites_in_flight < self.injection.rewrite_limit,
         )
+        plan = band_priority(self.bands, notes.band, plan)  # a band's own priority, if any
         for name in plan.counts:
             notes.note_priority(name)
         try:

@@ -94,6 +94,23 @@ held, else the client gets the guard's own 429, never the engine's answer. A poo
 backend is ejected or full still gets requests (a full one first): the guard tries rather than
 refusing everything. With one backend none of this applies (PIG's contract).
 """,
+    "inference-guard's flow control (docs/flow-control.md)": """
+Flow control is off until one of these is set; then the guard's admission is as described in
+[flow-control.md](flow-control.md). `PIG_PRIORITY_BANDS` names bands, highest priority first, each
+`name[:reserve=R][:wait=S][:priority=P][:default]`: the trusted tier header (`X-User-Tier`) picks a
+band by name, anything else gets the `default` band (else the second). A band never takes a slot
+while a higher band waits, and leaves free the slots every band above it reserves (`reserve` below 1
+is a share of the cap, rounded up; 1 or more is whole slots); `wait` shortens the band's short wait
+(0: refused at once), `priority` the value backend priority injection writes for the band. The first
+band is premium and the others basic for every reader of tiers (metrics, `X-PIG-Tier`, whether
+backend priority is injected). Unset, the bands are PIG's: `premium:reserve=1,basic:default`, which
+admit exactly as PIG does. `PIG_TENANT_HEADER` names a trusted header (set by the gateway) whose
+value is the tenant; within a band each tenant then gets a weighted fair share of the band's slots
+(`PIG_TENANT_WEIGHTS`, `name=weight,...`, default weight 1), waiters are served furthest below their
+share first, then least attained service first (`PIG_TENANT_TOKEN_UNIT` prompt tokens count as one
+request; a tenant's past counts against it for at most `PIG_TENANT_MAX_LAG` requests), and a share
+nobody uses is lent. `PIG_TENANT_MAX` tenants are tracked; more share one `other` entry.
+""",
     "inference-guard's routing among several backends (docs/serve.md)": """
 `PIG_ROUTING` picks how a request chooses among several backends. `pig` (the default) is PIG's
 load score. `guard` is the guard's pool router. A request with an affinity key goes to the

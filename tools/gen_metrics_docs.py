@@ -5,8 +5,9 @@
 The rows are :data:`guard_trio._observability.SECTIONS`, the same table the ``/pig/metrics``
 page is rendered from: each row's name, type, label names and help text, in page order. Only
 the text between the ``<!-- metrics:NAME -->`` and ``<!-- /metrics:NAME -->`` markers is
-rewritten (``pig``: every section but the predictive one; ``predictive``: the
-``DYNAMIC_POLICY=predictive`` block); the prose around them is edited by hand.
+rewritten (``pig``: every section but the predictive and flow ones; ``predictive``: the
+``DYNAMIC_POLICY=predictive`` block; ``flow``: the flow-control block); the prose around them
+is edited by hand.
 ``tests/property/adapters/test_metrics_docs.py`` fails when the file and the table disagree.
 """
 
@@ -27,12 +28,11 @@ _HEAD = "| metric | type | labels | meaning |\n| --- | --- | --- | --- |\n"
 
 def tables() -> dict[str, str]:
     """Each marked block's text: a Markdown table of its rows."""
-    pig = [row for s in SECTIONS if s.title != "predictive" for row in s.rows]
-    predictive = [row for s in SECTIONS if s.title == "predictive" for row in s.rows]
-    return {
-        name: _HEAD + "\n".join(reference_rows(rows)) + "\n"
-        for name, rows in (("pig", pig), ("predictive", predictive))
-    }
+    own = ("predictive", "flow")
+    pig = [row for s in SECTIONS if s.title not in own for row in s.rows]
+    blocks = [("pig", pig)]
+    blocks += [(name, [row for s in SECTIONS if s.title == name for row in s.rows]) for name in own]
+    return {name: _HEAD + "\n".join(reference_rows(rows)) + "\n" for name, rows in blocks}
 
 
 def _escaped(replacement: str) -> str:

@@ -49,6 +49,12 @@ from guard_trio._cli_support import (
     write_json,
     write_table,
 )
+from guard_trio.tools._simulate_fairness import (
+    add_flow_arguments,
+    flow_notes,
+    print_fairness,
+    with_flow,
+)
 
 #: The guard policy learns from metrics; a metrics URL is what turns learning on.
 #: ``DYNAMIC_POLICY=predictive`` makes the predictive learner's settings (``DYNAMIC_PREDICTIVE_*``)
@@ -222,6 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="C",
         help=f"the guard routing's load bound factor (default {DEFAULT_BOUND})",
     )
+    add_flow_arguments(parser)
     parser.add_argument(
         "--duration",
         type=_positive,
@@ -287,6 +294,8 @@ def _print_result(
         out.write(f"admitted but refused by the engine (too long): {result.engine_refused}\n")
     if pooled:
         _print_backends(result, out)
+    if result.fairness is not None:
+        print_fairness(result, out)
     out.write("\n")
 
 
@@ -321,6 +330,9 @@ def _json_results(
             entry["routing"] = result.routing
             entry["routes"] = dict(result.routes)
             entry["backends"] = [backend.as_json() for backend in result.backends]
+        if result.fairness is not None:
+            entry["fairness"] = result.fairness.as_json()
+            entry["tenants"] = [row.as_json() for row in result.fairness.tenants]
         key = f"{result.policy}/{result.routing}" if several else result.policy
         document[key] = entry
     return document
@@ -416,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
     trace = scale_rate(trace_file.requests, args.rate_scale)
     if args.duration is not None:
         trace = head(trace, args.duration)
-    guard_config = settings.guard_config()
+    guard_config = with_flow(settings.guard_config(), args, settings.tenant_config)
     poll_interval_s = settings.env.dynamic_poll_interval_ms / 1000
     premium = sum(premium_flags(len(trace), args.premium_share, seed=args.seed))
     notes = [f"rate x{args.rate_scale:g}", f"{premium} premium", f"seed {args.seed}"]
@@ -428,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"engine from {profile_path}")
     for at_s, duration_s, factor in slowdowns:
         notes.append(f"engine x{factor:g} slower from {at_s:g} s for {duration_s:g} s")
+    notes.extend(flow_notes(args, guard_config))
     pooled = args.backends is not None
     routings = list(dict.fromkeys(args.routings or ("round-robin",)))
     if pooled:
@@ -450,6 +463,8 @@ def run(args: argparse.Namespace) -> int:
                 backends=args.backends or 1,
                 slow_backend=args.slow_backend,
                 routing=parse_routing(routing, bound=args.affinity_bound),
+                tenants=args.tenants or 0,
+                heavy_share=args.heavy_share,
             )
             _print_result(result, time.process_time() - started, out, pooled=pooled)
             results.append(result)
@@ -469,6 +484,10 @@ def run(args: argparse.Namespace) -> int:
                 "slowdowns": [list(window) for window in slowdowns],
                 "duration_s": args.duration,
                 "settings": list(args.overrides),
+                "tenants": args.tenants,
+                "heavy_share": args.heavy_share,
+                "tenant_fairness": args.tenants is not None and not args.unfair,
+                "bands": None if guard_config.flow is None else list(guard_config.flow.bands.names),
                 **(
                     {
                         "backends": args.backends,

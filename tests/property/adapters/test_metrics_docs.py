@@ -66,6 +66,7 @@ def test_the_table_says_what_the_page_serves() -> None:
         _page({"UPSTREAM": "http://b:8000"}),
         _page({"UPSTREAMS": "http://a:8000,http://b:8000", "PIG_FAILURE_MODE": "open"}),
         _page({"BACKENDS": "a=http://a:8000,b=http://b:8000", "PIG_POOLS": "m1=a;m2=b"}),
+        _page({"UPSTREAM": "http://b:8000", "PIG_PRIORITY_BANDS": "a,b", "PIG_TENANT_HEADER": "t"}),
     )
     for page in pages:
         order = []

@@ -1,0 +1,294 @@
+"""Tenant fairness within a band: weighted fair shares of slots and a fair short wait.
+
+Reads: the trusted tenant key of each request (``PIG_TENANT_HEADER``), the weights
+(``PIG_TENANT_WEIGHTS``), and per (band, tenant) the slots held, the requests waiting and the
+service attained (requests, plus prompt tokens in units of ``token_unit``).
+Guarantees:
+- the table holds at most ``max_tenants`` entries; a new tenant takes the place of the least
+  recently seen entry that holds and awaits nothing, and when every entry is busy it is counted
+  as :data:`OTHER` (one shared entry); an entry with a slot or a waiter is never dropped, so
+  counts never leak;
+- waiters are ranked by slots held less their weighted fair share of the band's slots (the
+  share among the band's active tenants: those holding or awaiting a slot), then attained
+  service per weight, then the earliest last admission, then the key: a tenant is refused a
+  free slot only when the tenants ranked before it would take every free slot before its
+  rank comes (each slot a tenant takes moves it one slot up; only its waiting requests count),
+  so a free slot is never left to nobody (work-conserving), and a tenant below its weighted fair
+  share is never passed over for one above it;
+- attained service is read clamped to ``[floor, floor + max_lag]`` where ``floor`` is the least
+  service among the band's active tenants: a newcomer cannot starve the others by its empty
+  history, and a tenant that was served much in the past is passed over for at most
+  ``max_lag`` units of service by the others (the starvation bound; the short wait's 0.5 s cap
+  still ends every wait);
+- nothing here reads a clock: ``at`` comes with each call and only orders entries by recency.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from guard_core._errors import PolicyConfigError
+from guard_core.settings import AtLeast, Greater, require_valid, setting
+
+__all__ = (
+    "OTHER",
+    "TenantConfig",
+    "TenantStats",
+    "TenantTable",
+    "admitted",
+    "fair_share",
+    "left_queue",
+    "queued",
+    "rank",
+    "ranks",
+    "released",
+    "resolve",
+    "tenant_refusal",
+)
+
+#: The shared entry of tenants beyond the table's cap (and of requests with no tenant key).
+OTHER = "other"
+
+#: Prompt bytes per token, the same rough rule the simulation uses for a chat body.
+_BYTES_PER_TOKEN = 4
+
+_Key = tuple[int, str]
+#: Shares are fractions of slots: two ranks this close hold the same place.
+_EPSILON = 1e-9
+
+
+def _weights(
+    value: Mapping[str, float] | Iterable[tuple[str, float]],
+) -> tuple[tuple[str, float], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    pairs = sorted(dict(items).items())
+    for name, weight in pairs:
+        if not (isinstance(weight, int | float) and math.isfinite(weight) and weight > 0):
+            raise PolicyConfigError(f"tenant {name!r}: a weight must be > 0, got {weight!r}")
+    return tuple((str(name), float(weight)) for name, weight in pairs)
+
+
+@attrs.frozen(kw_only=True)
+class TenantConfig:
+    """``PIG_TENANT_*``: who the tenants are and what each one's share weighs."""
+
+    #: ``PIG_TENANT_WEIGHTS``: ``name=weight`` exceptions to the default weight of 1.
+    weights: tuple[tuple[str, float], ...] = attrs.field(default=(), converter=_weights)
+    #: ``PIG_TENANT_MAX``: entries the table keeps (least recently seen idle ones go first).
+    max_tenants: int = setting(256, env="PIG_TENANT_MAX", rules=(AtLeast(1),))
+    #: ``PIG_TENANT_TOKEN_UNIT``: prompt tokens that count as one request of attained service.
+    token_unit: float = setting(1000.0, env="PIG_TENANT_TOKEN_UNIT", rules=(Greater(0),))
+    #: ``PIG_TENANT_MAX_LAG``: the most service (in requests) a tenant's history may count
+    #: against it over the least-served active tenant of its band.
+    max_lag: float = setting(8.0, env="PIG_TENANT_MAX_LAG", rules=(AtLeast(0),))
+
+    def __attrs_post_init__(self) -> None:
+        require_valid(self)
+
+    def weight(self, tenant: str) -> float:
+        for name, weight in self.weights:
+            if name == tenant:
+                return weight
+        return 1.0
+
+    def cost(self, body_bytes: int | None) -> float:
+        """The service one admitted request attains: 1, plus its prompt in token units."""
+        tokens = max(0, body_bytes or 0) / _BYTES_PER_TOKEN
+        return 1.0 + tokens / self.token_unit
+
+
+@attrs.frozen
+class TenantStats:
+    """One tenant in one band."""
+
+    inflight: int = 0
+    waiting: int = 0
+    service: float = 0.0
+    served_at: float = -math.inf
+    seen_at: float = -math.inf
+
+    @property
+    def active(self) -> bool:
+        return self.inflight > 0 or self.waiting > 0
+
+
+@attrs.frozen
+class TenantTable:
+    """Every known (band, tenant) entry."""
+
+    entries: Mapping[_Key, TenantStats] = attrs.field(factory=dict)
+
+
+def _put(table: TenantTable, key: _Key, stats: TenantStats) -> TenantTable:
+    entries = dict(table.entries)
+    entries[key] = stats
+    return TenantTable(entries)
+
+
+def resolve(
+    table: TenantTable, config: TenantConfig, band: int, tenant: str, *, at: float
+) -> tuple[TenantTable, str]:
+    """The table with ``tenant`` seen at ``at`` in ``band``, and the key it is counted under."""
+    tenant = tenant or OTHER
+    entries = table.entries
+    key = (band, tenant)
+    stats = entries.get(key)
+    if stats is None and len(entries) >= config.max_tenants:
+        idle = [(s.seen_at, k) for k, s in entries.items() if not s.active and k[1] != OTHER]
+        if not idle:
+            tenant, key = OTHER, (band, OTHER)
+            stats = entries.get(key)
+        else:
+            dropped = dict(entries)
+            del dropped[min(idle)[1]]
+            table = TenantTable(dropped)
+    stats = stats or TenantStats()
+    return _put(table, key, attrs.evolve(stats, seen_at=at)), tenant
+
+
+def _change(table: TenantTable, band: int, tenant: str, **delta: int) -> TenantTable:
+    stats = table.entries.get((band, tenant), TenantStats())
+    inflight = stats.inflight + delta.get("inflight", 0)
+    waiting = stats.waiting + delta.get("waiting", 0)
+    return _put(table, (band, tenant), attrs.evolve(stats, inflight=inflight, waiting=waiting))
+
+
+def queued(table: TenantTable, band: int, tenant: str) -> TenantTable:
+    return _change(table, band, tenant, waiting=1)
+
+
+def left_queue(table: TenantTable, band: int, tenant: str) -> TenantTable:
+    return _change(table, band, tenant, waiting=-1)
+
+
+def released(table: TenantTable, band: int, tenant: str) -> TenantTable:
+    return _change(table, band, tenant, inflight=-1)
+
+
+def admitted(
+    table: TenantTable,
+    config: TenantConfig,
+    band: int,
+    tenant: str,
+    *,
+    cost: float,
+    at: float,
+    was_waiting: bool,
+) -> TenantTable:
+    """``tenant`` took a slot (from the queue when ``was_waiting``) and attained ``cost``."""
+    stats = table.entries.get((band, tenant), TenantStats())
+    floor = _floor(table, band, tenant)
+    service = max(stats.service, floor) + cost  # a newcomer starts level with the others
+    return _put(
+        table,
+        (band, tenant),
+        attrs.evolve(
+            stats,
+            inflight=stats.inflight + 1,
+            waiting=stats.waiting - (1 if was_waiting else 0),
+            service=service,
+            served_at=at,
+        ),
+    )
+
+
+def _floor(table: TenantTable, band: int, tenant: str) -> float:
+    """The least service among the band's active tenants other than ``tenant`` (0 if none)."""
+    services = [
+        s.service for (b, t), s in table.entries.items() if b == band and t != tenant and s.active
+    ]
+    return min(services) if services else 0.0
+
+
+def rank(
+    stats: TenantStats,
+    weight: float,
+    tenant: str,
+    *,
+    share: float,
+    floor: float,
+    max_lag: float,
+) -> tuple[float, float, float, str]:
+    """Lower ranks go first: slots held beyond the weighted fair ``share`` (most below it
+    first), attained service per weight (clamped to the starvation bound), the earliest last
+    admission, the key."""
+    service = min(max(stats.service, floor), floor + max_lag)
+    return (stats.inflight - share, (service - floor) / weight, stats.served_at, tenant)
+
+
+def _weights_of(
+    table: TenantTable, config: TenantConfig, band: int, tenant: str
+) -> dict[str, float]:
+    """The weight of each of the band's active tenants and of ``tenant``."""
+    weights = {t: config.weight(t) for (b, t), s in table.entries.items() if b == band and s.active}
+    weights[tenant] = config.weight(tenant)
+    return weights
+
+
+def fair_share(
+    table: TenantTable, config: TenantConfig, band: int, tenant: str, slots: int
+) -> float:
+    """``tenant``'s weighted share of ``slots`` among the band's active tenants and itself."""
+    weights = _weights_of(table, config, band, tenant)
+    return slots * weights[tenant] / sum(weights.values())
+
+
+def tenant_refusal(
+    table: TenantTable, config: TenantConfig, band: int, tenant: str, *, slots: int, free: int
+) -> bool:
+    """True when ``tenant`` must leave the band's ``free`` slots (of the ``slots`` it could
+    hold in all) to better-ranked waiters."""
+    entries = table.entries
+    actives = [(t, s) for (b, t), s in entries.items() if b == band and s.active]
+    if not any(t != tenant and s.waiting > 0 for t, s in actives):
+        return False  # nobody else waits: an idle share is lent to whoever asks
+    weights = _weights_of(table, config, band, tenant)
+    per_weight = slots / sum(weights.values())
+    mine = entries.get((band, tenant), TenantStats())
+    weight = weights[tenant]
+    floor = min(s.service for _, s in actives)
+    lag = config.max_lag
+    own = rank(mine, weight, tenant, share=per_weight * weight, floor=floor, max_lag=lag)
+    before = 0
+    for other, stats in actives:
+        if other == tenant or stats.waiting <= 0:
+            continue
+        weight = weights[other]
+        theirs = rank(stats, weight, other, share=per_weight * weight, floor=floor, max_lag=lag)
+        before += min(stats.waiting, _ahead(theirs, own))
+        if before >= free:
+            return True
+    return False
+
+
+def ranks(
+    table: TenantTable, config: TenantConfig, band: int, *, slots: int
+) -> dict[tuple[int, str], tuple[float, float, float, str]]:
+    """The rank of every active tenant of ``band`` (as :func:`tenant_refusal` ranks them)."""
+    actives = [(t, s) for (b, t), s in table.entries.items() if b == band and s.active]
+    if not actives:
+        return {}
+    total = sum(config.weight(t) for t, _ in actives)
+    floor = min(s.service for _, s in actives)
+    found = {}
+    for tenant, stats in actives:
+        weight = config.weight(tenant)
+        share = slots * weight / total
+        found[(band, tenant)] = rank(
+            stats, weight, tenant, share=share, floor=floor, max_lag=config.max_lag
+        )
+    return found
+
+
+def _ahead(theirs: tuple[float, float, float, str], own: tuple[float, float, float, str]) -> int:
+    """How many slots a tenant ranked ``theirs`` takes before one ranked ``own`` gets one: each
+    slot it takes moves it one slot closer to (or past) its share."""
+    gap = own[0] - theirs[0]
+    if gap > _EPSILON:
+        return math.ceil(gap - _EPSILON)
+    if abs(gap) <= _EPSILON and theirs[1:] < own[1:]:
+        return 1
+    return 0

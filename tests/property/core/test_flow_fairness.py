@@ -1,0 +1,270 @@
+"""Tenant fairness in one saturated band, driven as a runtime drives the guard.
+
+Each round every tenant tops its waiting requests up to three (more than a round frees), some
+held slots are released (the oldest ones, so whatever was admitted before the contention began
+ends early), and every waiter retries once, in a random order, at the same instant (a wake-up
+broadcast). After every round:
+- idle share is used: while a request of the band still waits, no slot is free;
+- nobody is passed over: when a tenant is admitted, the slots that the tenants waiting further
+  below their weighted fair share need to catch up with it are still free, so a tenant below
+  its share never waits while one above it is admitted;
+- once every request admitted before the contention has ended, each backlogged tenant holds
+  within one slot of its weighted fair share of the band;
+- no waiter is ever admitted later than its wait bound after it arrived.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+import guard_core as core
+from guard_core import tenants as tenant_rules
+from guard_core.bands import Band, BandSpec
+from guard_core.events import Arrived, Finished, Forwarded, Retried
+from guard_core.flow import FlowConfig, retry_order
+from guard_core.guard import GuardConfig, GuardState
+from guard_core.guard import apply as apply_guard_event
+from guard_core.tenants import TenantConfig
+
+ONE_BAND = BandSpec.of((Band("shared"),))
+NAMES = ("a", "b", "c", "d")
+
+
+def _guard(cap: int, weights: dict[str, float], wait_s: float = 0.5) -> GuardState:
+    config = GuardConfig(
+        gate=core.GateConfig(global_limit=cap, dynamic=False, queue_wait_s=wait_s),
+        learning=False,
+        flow=FlowConfig(bands=ONE_BAND, tenants=TenantConfig(weights=weights)),
+    )
+    return GuardState.initial(config, at=0.0)
+
+
+class _Driver:
+    def __init__(self, state: GuardState, seed: int, weights: dict[str, float]) -> None:
+        self.state = state
+        self.weights = weights
+        self.cap = state.config.gate.global_limit
+        self.rng = random.Random(seed)
+        self.next_id = 1
+        self.tenant_of: dict[int, str] = {}
+        self.arrived_at: dict[int, float] = {}
+        self.held: list[int] = []  # in admission order
+        self.late: list[float] = []
+
+    def _check_admission(self, tenant: str) -> None:
+        """``tenant`` is admitted now (counts before it): the requests waiting from tenants
+        further below their share are fewer than the free slots."""
+        holding, waiting = self.holding(), self.waiting()
+        active = {t for t in NAMES if holding[t] or waiting[t]} | {tenant}
+        per_weight = self.cap / sum(self.weights.get(t, 1.0) for t in active)
+
+        def below(t: str) -> float:
+            return holding[t] - per_weight * self.weights.get(t, 1.0)
+
+        mine = below(tenant)
+        # What the tenants further below their share than ``tenant`` need to catch up with it.
+        ahead = sum(
+            min(waiting[t], math.ceil(mine - below(t) - 1e-9))
+            for t in active
+            if t != tenant and below(t) < mine - 1e-9
+        )
+        free = self.cap - sum(holding.values())
+        assert ahead < free, f"{tenant} admitted from {holding} while {waiting} wait"
+
+    def _step(self, rid: int, event: Arrived | Retried) -> None:
+        before = self.state
+        step = apply_guard_event(before, event)
+        if isinstance(step.outcome, core.Admitted):
+            self._check_admission(self.tenant_of[rid])
+        self.state = step.state
+        if isinstance(step.outcome, core.Admitted):
+            self.held.append(rid)
+            self.late.append(event.at - self.arrived_at[rid])
+            forwarded = Forwarded(at=event.at, request_id=rid)
+            self.state = apply_guard_event(self.state, forwarded).state
+
+    def arrive(self, tenant: str, at: float) -> None:
+        rid = self.next_id
+        self.next_id += 1
+        self.tenant_of[rid] = tenant
+        self.arrived_at[rid] = at
+        self._step(rid, Arrived(at=at, request_id=rid, tier=core.Tier.BASIC, tenant=tenant))
+
+    def release(self, index: int, at: float) -> None:
+        rid = self.held.pop(index)
+        self.state = apply_guard_event(self.state, Finished(at=at, request_id=rid)).state
+
+    def retry_all(self, at: float) -> None:
+        waiters = [rid for rid, t in self.state.requests.items() if t.queued is not None]
+        self.rng.shuffle(waiters)
+        for rid in waiters:
+            if rid in self.state.requests:
+                self._step(rid, Retried(at=at, request_id=rid))
+
+    def deadlines_before(self, at: float) -> None:
+        """Every waiter whose deadline comes before ``at`` retries at it, as a runtime's timer
+        makes it (the wait bound is the gate's deadline plus this discipline)."""
+        while True:
+            due = [
+                (t.queued.deadline, rid)
+                for rid, t in self.state.requests.items()
+                if t.queued is not None and t.queued.deadline < at
+            ]
+            if not due:
+                return
+            deadline, rid = min(due)
+            self._step(rid, Retried(at=deadline, request_id=rid))
+
+    def holding(self) -> dict[str, int]:
+        counts = dict.fromkeys(NAMES, 0)
+        for rid in self.held:
+            counts[self.tenant_of[rid]] += 1
+        return counts
+
+    def waiting(self) -> dict[str, int]:
+        counts = dict.fromkeys(NAMES, 0)
+        for rid, tracked in self.state.requests.items():
+            if tracked.queued is not None:
+                counts[self.tenant_of[rid]] += 1
+        return counts
+
+
+@given(
+    st.integers(2, 12),
+    st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=2, max_size=4),
+    st.integers(0, 2**16),
+    st.lists(st.tuples(st.integers(1, 2), st.integers(0, 1)), min_size=30, max_size=60),
+)
+def test_a_saturated_band_is_shared_fairly(
+    cap: int, weight_list: list[float], seed: int, rounds: list[tuple[int, int]]
+) -> None:
+    names = NAMES[: len(weight_list)]
+    weights = dict(zip(names, weight_list, strict=False))
+    driver = _Driver(_guard(cap, weights), seed, weights)
+    initial: set[int] | None = None
+    at = 0.0
+    for releases, oldest in rounds:
+        at += 0.001  # well inside every wait: the band stays backlogged
+        for tenant in names:  # backlogged: more waiters than slots a round frees
+            while driver.waiting()[tenant] < 3 and sum(driver.holding().values()) == cap:
+                driver.arrive(tenant, at)
+        for _ in range(min(releases, len(driver.held))):
+            driver.release(min(oldest, len(driver.held) - 1), at)
+        for tenant in names:
+            if not driver.waiting()[tenant]:
+                driver.arrive(tenant, at)
+        driver.retry_all(at)
+        holding, waiting = driver.holding(), driver.waiting()
+        if any(waiting.values()):
+            assert sum(holding.values()) == cap, "a slot is free while someone waits"
+            if initial is None:
+                initial = set(driver.held)
+        if initial is not None and not initial & set(driver.held) and all(waiting.values()):
+            total = sum(weights.values())
+            for tenant in names:
+                share = cap * weights[tenant] / total
+                assert abs(holding[tenant] - share) <= 1.0, (tenant, holding, share)
+
+
+@given(
+    st.integers(1, 6),
+    st.sampled_from([0.1, 0.3, 0.5]),
+    st.integers(0, 2**16),
+    st.lists(
+        st.tuples(st.sampled_from([0.01, 0.05, 0.2, 0.4]), st.integers(0, 2), st.integers(0, 3)),
+        min_size=5,
+        max_size=40,
+    ),
+)
+def test_no_waiter_is_admitted_after_its_wait_bound(
+    cap: int, wait_s: float, seed: int, rounds: list[tuple[float, int, int]]
+) -> None:
+    driver = _Driver(_guard(cap, {"a": 3.0}, wait_s=wait_s), seed, {"a": 3.0})
+    at = 0.0
+    for step, releases, arrivals in rounds:
+        driver.deadlines_before(at + step)
+        at += step
+        for _ in range(min(releases, len(driver.held))):
+            driver.release(0, at)
+        for i in range(arrivals):
+            driver.arrive(NAMES[i % 3], at)
+        driver.retry_all(at)
+    assert all(late <= wait_s + 1e-9 for late in driver.late)
+
+
+def test_idle_share_is_lent_to_a_lone_tenant() -> None:
+    """With nobody else asking, one tenant may take the whole band, whatever its weight."""
+    driver = _Driver(_guard(5, {"a": 1.0, "b": 9.0}), 0, {"a": 1.0, "b": 9.0})
+    for _ in range(5):
+        driver.arrive("a", 0.0)
+    assert driver.holding()["a"] == 5
+    # Then b asks: it waits and takes the next free slot, ahead of a's own waiter.
+    driver.arrive("a", 0.01)
+    driver.arrive("b", 0.01)
+    assert driver.waiting() == {"a": 1, "b": 1, "c": 0, "d": 0}
+    driver.release(0, 0.02)
+    driver.retry_all(0.02)
+    assert driver.holding()["b"] == 1
+    assert driver.waiting()["a"] == 1
+
+
+def test_retry_order_puts_higher_bands_then_the_furthest_below_share_first() -> None:
+    """The order a runtime retries waiters in (``flow.retry_order``)."""
+    bands = BandSpec.of((Band("top"), Band("rest")), "rest")
+    config = GuardConfig(
+        gate=core.GateConfig(global_limit=5, dynamic=False),
+        learning=False,
+        flow=FlowConfig(bands=bands, tenants=TenantConfig()),
+    )
+    state = GuardState.initial(config, at=0.0)
+    rid = 0
+
+    def send(band: str, tenant: str, at: float) -> core.Admission | None:
+        nonlocal state, rid
+        rid += 1
+        event = Arrived(at=at, request_id=rid, tier=core.Tier.BASIC, band=band, tenant=tenant)
+        step = apply_guard_event(state, event)
+        state = step.state
+        return step.outcome
+
+    for _ in range(4):  # a holds every slot the lower band may take, c the one kept for top
+        assert isinstance(send("rest", "a", 0.0), core.Admitted)
+    assert isinstance(send("top", "c", 0.0), core.Admitted)
+    for tenant in ("a", "b", "a"):
+        assert isinstance(send("rest", tenant, 0.01), core.Queued)
+    assert isinstance(send("top", "c", 0.02), core.Queued)
+    flow = state.flow
+    assert flow is not None
+    order = retry_order(flow, state.requests, limit=5, inflight=5)
+    # c's band first, then b (holding nothing), then a's two, oldest first.
+    assert order == (9, 7, 6, 8)
+
+
+@given(
+    st.floats(0, 1000),
+    st.floats(0, 1000),
+    st.floats(0, 20),
+    st.floats(-5, 5),
+    st.floats(-5, 5),
+)
+def test_history_counts_against_a_tenant_at_most_max_lag(
+    service_a: float, service_b: float, lag: float, served_a: float, served_b: float
+) -> None:
+    """The starvation bound: between two tenants equally far below their shares, attained
+    service decides only up to ``max_lag`` beyond the least-served; past that, the one served
+    longest ago goes first, whatever its history."""
+    floor = min(service_a, service_b)
+    a = tenant_rules.TenantStats(inflight=1, waiting=1, service=service_a, served_at=served_a)
+    b = tenant_rules.TenantStats(inflight=1, waiting=1, service=service_b, served_at=served_b)
+    ra = tenant_rules.rank(a, 1.0, "a", share=2.0, floor=floor, max_lag=lag)
+    rb = tenant_rules.rank(b, 1.0, "b", share=2.0, floor=floor, max_lag=lag)
+    assert 0 <= ra[1] <= lag + 1e-9
+    assert 0 <= rb[1] <= lag + 1e-9
+    if min(service_a, floor + lag) < min(service_b, floor + lag):
+        assert ra < rb
+    if service_a - floor >= lag and service_b - floor >= lag:
+        assert (ra < rb) == ((served_a, "a") < (served_b, "b"))
