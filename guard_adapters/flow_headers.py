@@ -17,7 +17,7 @@ Guarantees:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import attrs
@@ -26,7 +26,7 @@ from guard_adapters.openai_body import Plan
 from guard_core.bands import BandSpec, band_from_header_values
 from guard_core.tier import Tier, tier_from_header_values
 
-__all__ = ("MAX_TENANT_CHARS", "band_and_tier", "band_priority", "tenant_key")
+__all__ = ("MAX_TENANT_CHARS", "RequestLabels", "band_and_tier", "band_priority", "tenant_key")
 
 #: The longest tenant key kept; a longer value is no tenant of its own.
 MAX_TENANT_CHARS: Final = 128
@@ -61,3 +61,18 @@ def band_priority(spec: BandSpec | None, band: str, plan: Plan) -> Plan:
     if priority is None or priority == plan.priority_value:
         return plan
     return attrs.evolve(plan, priority_value=priority)
+
+
+@attrs.frozen
+class RequestLabels:
+    """How the proxy reads a request's labels: the configured bands and tenant header."""
+
+    bands: BandSpec | None = None
+    #: ``PIG_TENANT_HEADER`` in lower case (None: no tenants).
+    tenant_header: bytes | None = None
+
+    def of(self, values: Callable[[bytes], Sequence[bytes]]) -> tuple[Tier, str, str]:
+        """The tier, band and tenant, from a request's header values (``values(name)``)."""
+        band, tier = band_and_tier(self.bands, values(b"x-user-tier"))
+        header = self.tenant_header
+        return tier, band, "" if header is None else tenant_key(values(header))

@@ -40,6 +40,7 @@ __all__ = (
     "listed_models",
     "model_not_found_body",
     "models_document",
+    "outside",
     "parse_pools",
     "request_model",
 )
@@ -66,6 +67,15 @@ class ModelPools:
             found.setdefault(frozenset(names), model)
         return tuple((name, backends) for backends, name in found.items())
 
+    def layout(self) -> tuple[tuple[str, ...], dict[str, int], dict[str, int]]:
+        """The pools' names in order, and the index among them of each backend's pool and of
+        each model's: what a runtime needs to give each pool its own engine."""
+        pools = self.pools()
+        names = tuple(name for name, _ in pools)
+        of_backend = {b: index for index, (_, backends) in enumerate(pools) for b in backends}
+        of_model = {model: names.index(self.pool_of(model) or "") for model in self.models}
+        return names, of_backend, of_model
+
     def pool_of(self, model: str) -> str | None:
         """The name of the pool serving ``model`` (None: no pool does)."""
         names = self.by_model.get(model)
@@ -73,6 +83,14 @@ class ModelPools:
             return None
         wanted = frozenset(names)
         return next(name for name, backends in self.pools() if backends == wanted)
+
+
+def outside(names: Sequence[str], allowed: Sequence[str] | None) -> frozenset[int]:
+    """The positions in ``names`` of the backends outside ``allowed`` (a model's pool; None:
+    every backend is allowed): a request counts them as tried, never picked nor retried on."""
+    if allowed is None:
+        return frozenset()
+    return frozenset(index for index, name in enumerate(names) if name not in allowed)
 
 
 def parse_pools(text: str, backend_names: Sequence[str]) -> tuple[ModelPools | None, list[str]]:

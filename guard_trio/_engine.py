@@ -196,10 +196,7 @@ class GuardEngine:
                 if entry is None:
                     continue
                 attempt, woken = entry
-                retried = Retried(at=self._at(), request_id=request_id)
-                attempt.outcome, attempt.binding = self._attempt(retried)
-                if not isinstance(attempt.outcome, Queued):
-                    self._conclude(attempt, retried.at)
+                if self._retry(attempt):
                     del self._ranked[request_id]
                     woken.set()
                     ended = True
@@ -263,35 +260,18 @@ class GuardEngine:
         return await self.settle(self.begin(tier, path=path, body_bytes=body_bytes))
 
     async def settle(self, attempt: Attempt) -> AdmissionResult:
-        """Wait out a queued attempt (at once for a settled one)."""
-        if self.state.flow is not None:
-            return await self._settle_ranked(attempt)
+        """Wait out a queued attempt (at once for a settled one). Under flow control a wake-up
+        retries the waiters in fair order (:meth:`_retry_in_order`), and the attempt's own
+        timer (its fallback re-check, its deadline) retries it alone; a wait it ends that way
+        lets the others try again."""
+        ranked = self.state.flow is not None
         while attempt.result is None:
             queued = attempt.outcome
             assert isinstance(queued, Queued)
-            wake = self._wake
-            check_at = next_check_at(queued, now=self._at(), config=self.state.config.gate)
-            try:
-                with trio.move_on_at(self._origin + check_at):
-                    await wake.wait()
-            except trio.Cancelled:
-                self.abandon(attempt)
-                raise
-            retried = Retried(at=self._at(), request_id=attempt.request_id)
-            attempt.outcome, attempt.binding = self._attempt(retried)
-            if not isinstance(attempt.outcome, Queued):
-                self._conclude(attempt, retried.at)
-        return attempt.result
-
-    async def _settle_ranked(self, attempt: Attempt) -> AdmissionResult:
-        """:meth:`settle` under flow control: wake-ups retry the waiters in fair order
-        (:meth:`_retry_in_order`); the attempt's own timer (its fallback re-check, its deadline)
-        retries it alone, and a wait it ends that way lets the others try again."""
-        while attempt.result is None:
-            queued = attempt.outcome
-            assert isinstance(queued, Queued)
-            woken = trio.Event()
-            self._ranked[attempt.request_id] = (attempt, woken)
+            woken = self._wake
+            if ranked:
+                woken = trio.Event()
+                self._ranked[attempt.request_id] = (attempt, woken)
             check_at = next_check_at(queued, now=self._at(), config=self.state.config.gate)
             try:
                 with trio.move_on_at(self._origin + check_at):
@@ -301,15 +281,18 @@ class GuardEngine:
                 self.abandon(attempt)
                 raise
             self._ranked.pop(attempt.request_id, None)
-            if attempt.result is not None:
-                break  # ended by a wake-up's ordered retry
-            retried = Retried(at=self._at(), request_id=attempt.request_id)
-            attempt.outcome, attempt.binding = self._attempt(retried)
-            if not isinstance(attempt.outcome, Queued):
-                self._conclude(attempt, retried.at)
+            if attempt.result is None and self._retry(attempt) and ranked:
                 self._notify()  # a claim on a free slot may have ended with it
-        assert attempt.result is not None
         return attempt.result
+
+    def _retry(self, attempt: Attempt) -> bool:
+        """Attempt a queued request again now; whether its wait ended (a slot or a refusal)."""
+        retried = Retried(at=self._at(), request_id=attempt.request_id)
+        attempt.outcome, attempt.binding = self._attempt(retried)
+        if isinstance(attempt.outcome, Queued):
+            return False
+        self._conclude(attempt, retried.at)
+        return True
 
     def abandon(self, attempt: Attempt) -> None:
         """An attempt nobody will settle or serve (its client left): leave the queue, or give

@@ -22,7 +22,7 @@ Guarantees:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 
 import h11
@@ -46,7 +46,7 @@ from guard_adapters.exchange import (
     token_digest,
     token_matches,
 )
-from guard_adapters.flow_headers import band_and_tier, band_priority, tenant_key
+from guard_adapters.flow_headers import RequestLabels, band_priority
 from guard_adapters.http_head import SimpleRequest
 from guard_adapters.model_pools import request_model
 from guard_adapters.openai_body import (
@@ -156,7 +156,7 @@ class ProxyApp:
         flow = settings.flow_config
         #: Flow control's bands (None: PIG's tiers, no band label) and tenant header.
         self.bands = None if flow is None else flow.bands
-        self.tenant_header = settings.tenant_header
+        self.labels = RequestLabels(self.bands, settings.tenant_header)
 
     # -- small responses -----------------------------------------------------------------------
 
@@ -165,12 +165,6 @@ class ProxyApp:
         sent in place of ``PIG_RETRY_AFTER_SECONDS`` when ``PIG_RETRY_AFTER_MODE`` is
         ``predicted``; ``PIG_RETRY_AFTER_SECONDS=0`` sends no Retry-After at all."""
         await down.respond(429, list(self.refusals.headers(predicted_s)), TOO_MANY_REQUESTS_BODY)
-
-    def labels(self, values: Callable[[bytes], Sequence[bytes]]) -> tuple[Tier, str, str]:
-        """The request's tier, band and tenant from its trusted headers (``values(name)``)."""
-        band, tier = band_and_tier(self.bands, values(b"x-user-tier"))
-        header = self.tenant_header
-        return tier, band, "" if header is None else tenant_key(values(header))
 
     def admit_simple(
         self, request: SimpleRequest, body: bytes = b""
@@ -195,7 +189,7 @@ class ProxyApp:
         raw_path, token_checked = route
         if token_checked and not self.authorized(list(request.headers)):
             return None, None
-        tier, band, tenant = self.labels(request.values)
+        tier, band, tenant = self.labels.of(request.values)
         length = request.body_length
         trace_id = self.trace_id(request.values(b"x-request-id"))
         attempt = engine.begin(
@@ -293,7 +287,7 @@ class ProxyApp:
         begun: Attempt | None = None,
     ) -> None:
         """QoS: wait for a slot (or a refusal), then forward; the slot is released once."""
-        tier, band, tenant = self.labels(lambda name: header_values(headers, name))
+        tier, band, tenant = self.labels.of(lambda name: header_values(headers, name))
         length = content_length(headers)
         lane = body_lane(length, self.body_thresholds)
         notes = down.notes

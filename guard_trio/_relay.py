@@ -30,8 +30,7 @@ import h11
 import trio
 
 from guard_adapters._errors import BodyRewriteError
-from guard_adapters.affinity_key import AffinityKeying
-from guard_adapters.backends import UpstreamTarget, budget
+from guard_adapters.backends import RelayConfig, UpstreamTarget
 from guard_adapters.exchange import (
     GATEWAY_TIMEOUT_BODY,
     chunked_passthrough,
@@ -43,12 +42,12 @@ from guard_adapters.exchange import (
     upstream_headers,
     without_length,
 )
+from guard_adapters.model_pools import outside as pool_outside
 from guard_adapters.openai_body import StreamingRewriter
 from guard_adapters.outcome import Bridge, Disconnect, ExchangeNotes
 from guard_adapters.sse import FirstUsefulEventScanner
 from guard_core import Lane, Tier
-from guard_core.affinity import build_ring
-from guard_core.backend_pick import Routing, pick_backend
+from guard_core.backend_pick import pick_backend
 from guard_core.health import ProbeSent
 from guard_core.traffic import BackendFinished, BackendForwarded
 from guard_core.upstream_errors import BODY_LIMIT, is_candidate, reclassify
@@ -90,32 +89,13 @@ class Relay:
         #: The engine of each backend's pool (one for all without ``PIG_POOLS``).
         self.pools = app.pools
         self.pool = app.pool
-        env = settings.env
-        self.targets = tuple(UpstreamTarget.from_url(b.name, b.upstream) for b in settings.backends)
+        #: What forwarding reads of the settings (:class:`guard_adapters.backends.RelayConfig`).
+        self.config = config = RelayConfig.of(settings)
+        self.targets = config.targets
         self.backend_metrics = tuple(self.metrics.backends[t.name] for t in self.targets)
         self.target_names = tuple(t.name for t in self.targets)
-        self.proxy_timeout_s = float(env.proxy_timeout_seconds)
-        self.classify_errors: bool = env.upstream_error_classification_enabled
-        self.sse_keepalive: bool = env.sse_keepalive_enabled
-        self.sse_early_bridge: bool = env.sse_early_bridge_enabled
-        self.upstream_head_timeout_s = budget(env.pig_upstream_head_timeout_seconds)
-        self.upstream_idle_timeout_s = budget(env.pig_upstream_idle_timeout_seconds)
         self.health = BackendHealthReports(self.pools.of_backend, backends=len(self.targets))
-        #: ``PIG_ROUTING=guard``: the affinity ring of the backends (built once) and bound.
-        self.routing = Routing(
-            poll_interval_s=env.dynamic_poll_interval_ms / 1000,
-            dynamic=settings.dynamic_enabled,
-            ring=build_ring(self.target_names) if settings.guard_routing else None,
-            bound=float(env.pig_affinity_bound),
-        )
-        self.keying = (
-            AffinityKeying(
-                env.pig_affinity_header.strip().lower().encode(),
-                int(env.pig_affinity_prefix_bytes),
-            )
-            if settings.guard_routing
-            else None
-        )
+        self.keying = config.keying
 
     def low_load(self, slot: Slot | None = None) -> bool:
         """PIG's gate for SSE keep-alive and the early bridge: quiet backend, empty queue (of
@@ -141,7 +121,7 @@ class Relay:
         picked = pick_backend(
             engine.state,
             self.target_names,
-            self.routing,
+            self.config.routing,
             now=now,
             key=key,
             body_bytes=body_bytes,
@@ -173,12 +153,7 @@ class Relay:
         proxy_started = trio.current_time()
         body_length = sum(len(c) for c in body) if body is not None else content_length(headers)
         key = None if self.keying is None else self.keying.key(headers, body)
-        # Backends outside the model's pool count as tried: never picked, never retried on.
-        outside = (
-            frozenset()
-            if allowed is None
-            else frozenset(i for i, name in enumerate(self.target_names) if name not in allowed)
-        )
+        outside = pool_outside(self.target_names, allowed)  # counted as tried: never picked
         engine = self.engine if slot is None else slot.engine
         picked = self.pick_backend(outside, key=key, body_bytes=body_length, engine=engine)
         assert picked is not None
@@ -199,7 +174,7 @@ class Relay:
         target = self.send_to(index, notes)
         status = 0
         bridge = (
-            self.sse_early_bridge
+            self.config.sse_early_bridge
             and slot is not None
             and rewriter is None
             and opens_bridge(headers, body, quiet=self.low_load(slot))
@@ -212,7 +187,7 @@ class Relay:
         tried = {index, *outside}
         up: UpstreamConnection | None = None
         try:
-            with trio.move_on_after(self.proxy_timeout_s) as deadline:
+            with trio.move_on_after(self.config.proxy_timeout_s) as deadline:
                 fresh = False
                 while True:
                     reused = written = False
@@ -363,7 +338,7 @@ class Relay:
         makes no progress for ``PIG_UPSTREAM_IDLE_TIMEOUT_SECONDS`` mid-body has both
         connections closed.
         """
-        head_deadline = started + self.upstream_head_timeout_s
+        head_deadline = started + self.config.head_timeout_s
         event: h11.Response | None = None
         if bridge:
             with trio.move_on_after(BRIDGE_GRACE_S):
@@ -383,8 +358,8 @@ class Relay:
         plan = client_head(
             status,
             received,
-            classify_errors=self.classify_errors,
-            keepalive_allowed=self.sse_keepalive and self.low_load(slot),
+            classify_errors=self.config.classify_errors,
+            keepalive_allowed=self.config.sse_keepalive and self.low_load(slot),
             reclassifiable=is_candidate(
                 status,
                 first_header(received, b"content-type") or b"",
@@ -431,7 +406,7 @@ class Relay:
             method=method,
             client_version=down.h11.their_http_version or b"",
         )
-        with IdleGuard(self.upstream_idle_timeout_s) as guard:
+        with IdleGuard(self.config.idle_timeout_s) as guard:
             watch = Watch(
                 guard, self.metrics.sse_keepalive_comments, scanner, slot, keepalive=keepalive
             )
@@ -523,6 +498,6 @@ class Relay:
             down.head(status, headers, event.reason),
             h11.Data(data=b"".join(chunks)),
         )
-        with IdleGuard(self.upstream_idle_timeout_s) as guard:
+        with IdleGuard(self.config.idle_timeout_s) as guard:
             await copy_body(down, up, Watch(guard, self.metrics.sse_keepalive_comments))
         return status

@@ -372,15 +372,12 @@ def _pool_engines(
     pools = settings.model_pools
     if pools is None:
         return PoolEngines(first)
-    by_backend: dict[str, GuardEngine] = {}
-    by_pool: dict[str, GuardEngine] = {}
-    for index, (name, backends) in enumerate(pools.pools()):
-        # Only the first pool's engine tells the listener (the recorder): a recording holds one
-        # pool's polls and events, so that a replay folds them into that pool's state.
-        engine = first if index == 0 else GuardEngine(config, ids=ids)
+    names, of_backend, of_model = pools.layout()
+    # Only the first pool's engine tells the listener (the recorder): a recording holds one
+    # pool's polls and events, so that a replay folds them into that pool's state.
+    engines = [first, *(GuardEngine(config, ids=ids) for _ in names[1:])]
+    for engine, name in zip(engines, names, strict=True):
         engine.name = name
-        by_pool[name] = engine
-        for backend in backends:
-            by_backend[backend] = engine
-    by_model = {model: by_pool[pools.pool_of(model) or ""] for model in pools.models}
+    by_backend = {backend: engines[index] for backend, index in of_backend.items()}
+    by_model = {model: engines[index] for model, index in of_model.items()}
     return PoolEngines(first, by_backend=by_backend, by_model=by_model)
