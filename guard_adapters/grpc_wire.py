@@ -16,7 +16,6 @@ Guarantees:
 from __future__ import annotations
 
 import enum
-import urllib.parse
 
 __all__ = (
     "GRPC_HEADERS",
@@ -104,8 +103,17 @@ def trailers(status: GrpcStatus, message: str = "") -> list[tuple[bytes, bytes]]
     """The trailers that end a gRPC answer."""
     out = [(b"grpc-status", str(int(status)).encode())]
     if message:
-        out.append((b"grpc-message", urllib.parse.quote(message, safe=" ").encode()))
+        out.append((b"grpc-message", _percent_encoded(message)))
     return out
+
+
+def _percent_encoded(message: str) -> bytes:
+    """gRPC's encoding of ``grpc-message``: printable ASCII but ``%`` as it is, the rest of the
+    UTF-8 bytes as ``%XX``."""
+    return b"".join(
+        bytes((byte,)) if 0x20 <= byte <= 0x7E and byte != 0x25 else b"%%%02X" % byte
+        for byte in message.encode("utf-8")
+    )
 
 
 def health_service(request: bytes) -> str:

@@ -113,7 +113,7 @@ async def start_envoy(
 
 
 async def start_picker(
-    nursery: trio.Nursery, environ: dict[str, str]
+    nursery: trio.Nursery, environ: dict[str, str], *, on_event: Any = None
 ) -> tuple[GuardServer, int, str]:
     """``inference-guard epp``'s two servers in this process: the guard (its HTTP listener and
     pollers) and the picker; returns the server, the picker's port and the guard's URL."""
@@ -121,7 +121,7 @@ async def start_picker(
     settings = load_config(
         {"LISTEN": "127.0.0.1:0", "PIG_EPP_LISTEN": f"127.0.0.1:{port}", **environ}
     )
-    server = GuardServer(settings)
+    server = GuardServer(settings, on_event=on_event)
     host, guard_port = await nursery.start(server.serve)
     await nursery.start(serve_picker, server, *settings.epp_listen)
     if settings.dynamic_enabled:
