@@ -1,3 +1,4 @@
+# ruff: noqa: PLC0415 - each process imports only what its part needs
 """Which gRPC layer the endpoint picker runs on, measured: h2 under trio against grpcio's server in
 worker threads, each handing every message to the same picker code in the trio thread.
 

