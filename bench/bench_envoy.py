@@ -165,10 +165,13 @@ class EnvoySetup(proxy.Setup):
         *,
         body: bool = False,
     ) -> proxy.Results:
-        with self.running_picker(backend_port) as (picker_port, picker_pid):
-            with self.running_envoy(backend_port, picker_port, body=body) as (port, pid):
-                pids = {"backend": backend.pid, "guard": pid, "picker": picker_pid}
-                results = proxy.run_target(plan, port, backend_port, pids, self)
+        with contextlib.ExitStack() as stack:
+            picker_port, picker_pid = stack.enter_context(self.running_picker(backend_port))
+            port, pid = stack.enter_context(
+                self.running_envoy(backend_port, picker_port, body=body)
+            )
+            pids = {"backend": backend.pid, "guard": pid, "picker": picker_pid}
+            results = proxy.run_target(plan, port, backend_port, pids, self)
         for phase in results.values():
             cpu = phase.get("picker_cpu_s", float("nan"))
             requests = phase.get("requests", 0)
@@ -237,7 +240,9 @@ def main() -> int:
         action="store_true",
         help="add a column with the response body shown to the picker (semantic TTFT)",
     )
-    args = parser.parse_args()
+    args, ignored = parser.parse_known_args()  # nox -s bench hands every script its options
+    if ignored:
+        print(f"bench_envoy: ignoring options it does not take: {' '.join(ignored)}")
     args.no_dynamic = args.no_nginx = args.no_refusals = True
     proxy.raise_file_limit()
     plan = proxy.Plan(args)
