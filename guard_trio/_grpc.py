@@ -16,6 +16,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Protocol
@@ -110,15 +111,21 @@ class GrpcConnection:
     # -- what calls send -------------------------------------------------------------------------
 
     def queue(self, call: Call, data: bytes, *, head: bool) -> None:
-        if head:
-            self.h2.send_headers(call.stream_id, list(GRPC_HEADERS))
-        self._send_data(call.stream_id, data, None)
+        try:
+            if head:
+                self.h2.send_headers(call.stream_id, list(GRPC_HEADERS))
+            self._send_data(call.stream_id, data, None)
+        except h2.exceptions.ProtocolError:  # the peer reset or closed the stream meanwhile
+            self._reset(call)
 
     def end(self, call: Call, status: GrpcStatus, message: str, *, head: bool) -> None:
-        if head:
-            self.h2.send_headers(call.stream_id, list(GRPC_HEADERS))
-        self._send_data(call.stream_id, b"", trailers(status, message))
         self.calls.pop(call.stream_id, None)
+        try:
+            if head:
+                self.h2.send_headers(call.stream_id, list(GRPC_HEADERS))
+            self._send_data(call.stream_id, b"", trailers(status, message))
+        except h2.exceptions.ProtocolError:  # the peer reset or closed the stream meanwhile
+            self._blocked.pop(call.stream_id, None)
 
     def _send_data(
         self, stream_id: int, data: bytes, ending: list[tuple[bytes, bytes]] | None
@@ -136,7 +143,7 @@ class GrpcConnection:
                 self.h2.send_data(stream_id, data)
             if ending is not None:
                 self.h2.send_headers(stream_id, ending, end_stream=True)
-        except h2.exceptions.StreamClosedError:
+        except h2.exceptions.ProtocolError:  # closed meanwhile: nothing more goes out on it
             self._blocked.pop(stream_id, None)
 
     def _unblock(self, stream_id: int | None) -> None:
@@ -171,6 +178,8 @@ class GrpcConnection:
                 nursery.cancel_scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
+        except Exception:  # a bug must cost this connection, never the server
+            log.exception("gRPC connection ended by an internal error")
         finally:
             for call in list(self.calls.values()):
                 self._reset(call)
@@ -225,7 +234,7 @@ class GrpcConnection:
         elif isinstance(event, h2.events.StreamEnded):
             ending = self.calls.get(event.stream_id or 0)
             if ending is not None and not ending.closed:
-                ending.handler.on_end(ending)
+                self._safely(ending, ending.handler.on_end)
         elif isinstance(event, h2.events.StreamReset):
             reset = self.calls.get(event.stream_id or 0)
             if reset is not None:
@@ -248,14 +257,29 @@ class GrpcConnection:
         for message in messages:
             if call.closed:
                 return
-            call.handler.on_message(call, message)
+            self._safely(call, call.handler.on_message, message)
+
+    def _safely(self, call: Call, callback: Callable[..., None], *args: bytes) -> None:
+        """Run a handler's callback; one that raises ends its own call (``INTERNAL``, and the
+        handler is told of the reset so it frees what it holds), not the connection."""
+        try:
+            callback(call, *args)
+        except Exception:
+            log.exception("gRPC call %d ended by an internal error", call.stream_id)
+            if not call.closed:
+                call.finish(GrpcStatus.INTERNAL, "internal error")
+            with contextlib.suppress(Exception):
+                call.handler.on_reset(call)
 
     def _reset(self, call: Call) -> None:
         self.calls.pop(call.stream_id, None)
         self._blocked.pop(call.stream_id, None)
         if not call.closed:
             call.closed = True
-            call.handler.on_reset(call)
+            try:
+                call.handler.on_reset(call)
+            except Exception:
+                log.exception("gRPC call %d: its reset raised", call.stream_id)
 
 
 class _Refusing:

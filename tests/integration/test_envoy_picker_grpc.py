@@ -6,12 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+import h2.config
+import h2.connection
 import trio
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
 from guard_adapters.exchange import TOO_MANY_REQUESTS_BODY
-from guard_adapters.grpc_wire import HealthStatus, health_response
+from guard_adapters.grpc_wire import HealthStatus, frame, health_response
 from tests.integration.envoy_rig import start_picker
 
 HEALTH = "/grpc.health.v1.Health/Check"
@@ -128,3 +130,38 @@ async def test_a_refusal_is_an_immediate_429_and_a_cancelled_call_gives_its_slot
     assert said["x-request-id"]
     assert "inference" in immediate.details  # the guard's name, never an internal reason
     await until(lambda: server.engine.state.gate.inflight == 0)
+
+
+async def test_calls_ended_and_reset_in_one_read_leave_the_server_serving(
+    nursery: trio.Nursery, start_sim: Any, until: Any
+) -> None:
+    """A peer that half-closes a call and resets it in the same write (Envoy does, when the
+    request ends at once): the picker's answers to the gone stream are dropped, the slot comes
+    back, and the connection and the server go on."""
+    backend, _sim = await start_sim()
+    server, port, _url = await start_picker(
+        nursery, {"UPSTREAM": backend, "DYNAMIC_PIG_ENABLED": "false", "GLOBAL_LIMIT": "8"}
+    )
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    request = frame(request_headers())
+    for index in range(40):
+        stream_id = client.get_next_available_stream_id()
+        head = [(":method", "POST"), (":scheme", "http"), (":path", PROCESS)]
+        client.send_headers(stream_id, [*head, (":authority", "picker"), ("te", "trailers")])
+        client.send_data(stream_id, request, end_stream=index % 2 == 0)
+        client.reset_stream(stream_id)
+    await stream.send_all(client.data_to_send())
+    await until(lambda: server.engine.state.gate.inflight == 0)
+    assert server.engine.state.requests == {}
+    await stream.aclose()
+    # The server still answers a whole call on a new connection.
+    refusal = await trio.to_thread.run_sync(one_call, port)
+    assert refusal.request_headers.response.header_mutation.set_headers
+
+
+def one_call(port: int) -> ext_proc.ProcessingResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        answers = channel.stream_stream(PROCESS)(iter([request_headers()]))
+        return ext_proc.ProcessingResponse.FromString(next(answers))
