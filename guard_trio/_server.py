@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import attrs
 import h11
@@ -47,6 +48,9 @@ from guard_trio._observability import CONTENT_TYPE, GuardMetrics
 from guard_trio._poller import Poller, PollReport
 from guard_trio._proxy import ProxyApp
 from guard_trio._upstream import UpstreamPool
+
+if TYPE_CHECKING:
+    from guard_trio._picker import Picker
 
 __all__ = ("GuardServer",)
 
@@ -118,6 +122,8 @@ class GuardServer:
         ]
         self.poller = self.pollers[0]
         self.poller.on_round.append(self._account_poll)
+        #: ``inference-guard epp``: the endpoint picker over this server's engine, once it serves.
+        self.picker: Picker | None = None
         self._accepting = trio.CancelScope()
         self._listeners: list[trio.SocketListener] = []
         self.draining = False

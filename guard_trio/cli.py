@@ -1,9 +1,10 @@
 """The ``inference-guard`` command line.
 
-Reads: the command line. ``serve``, ``replay``, ``record`` and ``watch`` come from ``guard_trio``;
-``sim-backend``, ``simulate`` and ``demo`` from :mod:`guard_trio.tools`, which the serving path
-never imports. Each subcommand's module adds its arguments (``add_arguments``) and runs it
-(``run``, returning the exit status); the names, help lines and descriptions are one table here.
+Reads: the command line. ``serve``, ``epp``, ``replay``, ``record`` and ``watch`` come from
+``guard_trio``; ``sim-backend``, ``simulate`` and ``demo`` from :mod:`guard_trio.tools`, which
+the serving path never imports. Each subcommand's module adds its arguments (``add_arguments``)
+and runs it (``run``, returning the exit status); the names, help lines and descriptions are one
+table here.
 Running with no subcommand prints the ones available and exits 2.
 """
 
@@ -15,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Final, Protocol
 
-from guard_trio import __version__, _record, _replay_cli, _serve_cli, _watch_cli
+from guard_trio import __version__, _epp_cli, _record, _replay_cli, _serve_cli, _watch_cli
 from guard_trio.tools import _demo_cli, _sim_backend_cli, _simulate_cli
 
 
@@ -34,6 +35,15 @@ _COMMANDS: Final[tuple[tuple[str, _Command, str, str], ...]] = (
         _serve_cli,
         "run the proxy (configured by environment variables, as PIG)",
         "Run the QoS proxy. Every setting comes from PIG's environment variables.",
+    ),
+    (
+        "epp",
+        _epp_cli,
+        "run the guard as Envoy's endpoint picker (ext_proc over gRPC)",
+        "Run the guard's engine behind Envoy: an ext_proc gRPC server on PIG_EPP_LISTEN"
+        " (default 127.0.0.1:9002) that admits, refuses (PIG's 429, as Envoy's immediate"
+        " response) or names the backend of each request (x-gateway-destination-endpoint), with"
+        " the metrics poller, /pig/metrics and the admin plane as in serve.",
     ),
     (
         "replay",

@@ -41,6 +41,10 @@ NOTES = {
 plane on a listener of its own in the same process: the published state as JSON, a live event
 stream (WebSocket) and a dashboard page, all behind `TOKEN`, which it therefore needs
 ([admin.md](admin.md)). Give it a loopback or private address: it is meant for operators.
+
+`PIG_EPP_LISTEN` (`host:port`, default `127.0.0.1:9002`) is read by `inference-guard epp` only:
+where the endpoint picker's gRPC server (Envoy's ext_proc calls, gRPC health) listens
+([envoy.md](envoy.md)).
 """,
     "inference-guard's predictive learner (DYNAMIC_POLICY=predictive)": """
 `DYNAMIC_POLICY` picks the learner that sets the cap: `pig` (the default) is PIG's pipeline,
