@@ -5,7 +5,7 @@ when the pools need its model; the response headers; the response body while the
 event is looked for), and the guard server it shares its engine, pools, router and metrics with.
 Guarantees:
 - a request to an admitted path is attempted through the engine exactly as ``serve`` attempts
-  it (tier, path, body size, request id): admitted, it is sent to the backend the same pick
+  it (tier, band and tenant, path, body size, request id): admitted, it is sent to the backend the same pick
   chooses (named by ``x-gateway-destination-endpoint`` and ``envoy.lb`` metadata); refused,
   Envoy answers PIG's 429 body with ``Retry-After`` and ``X-Request-Id`` itself; queued, the
   call waits (its own task) up to the short wait, as in ``serve``;
@@ -50,7 +50,7 @@ from guard_adapters.grpc_wire import (
 from guard_adapters.model_pools import request_model
 from guard_adapters.outcome import Admission, ExchangeNotes
 from guard_adapters.sse import FirstUsefulEventScanner
-from guard_core import DecisionSource, Lane, body_lane, tier_from_header_values
+from guard_core import DecisionSource, Lane, body_lane
 from guard_core.traffic import BackendFinished, BackendForwarded
 from guard_trio._engine import AdmissionResult, Attempt, GuardEngine, Slot
 from guard_trio._grpc import Call, CallHandler, GrpcServer
@@ -211,7 +211,7 @@ class Exchange:
     def admit(self, call: Call, *, body: bytes | None) -> None:
         picker = self.picker
         app, notes, headers = picker.app, self.notes, self.headers
-        tier = tier_from_header_values(header_values(headers, b"x-user-tier"))
+        tier, band, tenant = app.labels.of(lambda name: header_values(headers, name))
         length = content_length(headers) if body is None else len(body)
         self.lane = body_lane(length, app.body_thresholds)
         notes.admitted_path, notes.tier, notes.lane, notes.body_bytes = (
@@ -220,6 +220,7 @@ class Exchange:
             self.lane,
             length,
         )
+        notes.band, notes.tenant = band, tenant
         engine = app.engine
         if body is not None and app.model_pools is not None:
             model = request_model(body)
@@ -228,7 +229,12 @@ class Exchange:
                 engine = app.pools.of_model(model)
         self.body = body
         attempt = self.attempt = engine.begin(
-            tier, path=self.target, body_bytes=length, trace_id=notes.trace_id
+            tier,
+            path=self.target,
+            body_bytes=length,
+            trace_id=notes.trace_id,
+            band=band,
+            tenant=tenant,
         )
         notes.request_id = attempt.request_id
         if attempt.result is not None:
