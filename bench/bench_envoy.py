@@ -145,7 +145,7 @@ class EnvoySetup(proxy.Setup):
                 proxy.process(command, env=env, stdout=log_file, stderr=log_file) as picker,
             ):
                 if self.pinning:
-                    proxy.pin(picker.pid, self.guard_cores)
+                    proxy.pin(picker.pid, self.guard_cores)  # type: ignore[attr-defined]
                 proxy.wait_until_listening(port, picker, 30, log)
                 yield port, picker.pid
 

@@ -91,7 +91,7 @@ def serve_grpcio(port: int) -> None:
         token = trio.lowlevel.current_trio_token()
 
         def process(requests: Iterator[bytes], _context: Any) -> Iterator[bytes]:
-            call = _CallAdapter()
+            call: Any = _CallAdapter()  # stands in for the picker's Call
             exchange = trio.from_thread.run_sync(picker.services()[PROCESS], trio_token=token)
             for message in requests:
                 trio.from_thread.run_sync(exchange.on_message, call, message, trio_token=token)

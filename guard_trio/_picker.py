@@ -5,10 +5,10 @@ when the pools need its model; the response headers; the response body while the
 event is looked for), and the guard server it shares its engine, pools, router and metrics with.
 Guarantees:
 - a request to an admitted path is attempted through the engine exactly as ``serve`` attempts
-  it (tier, band and tenant, path, body size, request id): admitted, it is sent to the backend the same pick
-  chooses (named by ``x-gateway-destination-endpoint`` and ``envoy.lb`` metadata); refused,
-  Envoy answers PIG's 429 body with ``Retry-After`` and ``X-Request-Id`` itself; queued, the
-  call waits (its own task) up to the short wait, as in ``serve``;
+  it (tier, band and tenant, path, body size, request id): admitted, it is sent to the backend
+  the same pick chooses (named by ``x-gateway-destination-endpoint`` and ``envoy.lb``
+  metadata); refused, Envoy answers PIG's 429 body with ``Retry-After`` and ``X-Request-Id``
+  itself; queued, the call waits (its own task) up to the short wait, as in ``serve``;
 - another forwarded route goes to a picked backend without a slot; a route ``serve`` refuses
   (unknown, unauthorised, an upgrade on an admitted path) is refused the same way;
 - a slot is released exactly once: when Envoy ends the call (the response is over, or the

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "tests/fixtures/traces"
@@ -44,7 +45,7 @@ BANDS = "premium:reserve=0.1,standard,batch:wait=0"
 
 def simulate(
     run: tuple[str, Path, float, str, int], policy: str, rate: float, share: float, *extra: str
-) -> dict:
+) -> dict[str, Any]:
     _name, trace, _rate, profile, duration = run
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "run.json"
@@ -56,10 +57,11 @@ def simulate(
             *extra,
         ]  # fmt: skip
         subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
-        return json.loads(out.read_text())["policies"][policy]
+        result: dict[str, Any] = json.loads(out.read_text())["policies"][policy]
+        return result
 
 
-def row(label: str, entry: dict, light_demand: float | None = None) -> str:
+def row(label: str, entry: dict[str, Any], light_demand: float | None = None) -> str:
     fair = entry["fairness"]
     total = entry["all"]
     implied = ""

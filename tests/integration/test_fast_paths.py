@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from guard_trio import _proxy, _relay
+from guard_trio import _copy, _proxy, _relay
 from guard_trio._downstream import stdlib_socket
 
 STREAM_BODY = b'{"model":"m","stream":true,"max_tokens":12,"messages":[]}'
@@ -39,7 +39,7 @@ async def test_a_chunked_stream_takes_the_fast_path_and_pools_the_backend_connec
     start_sim: Any, start_guard: Any, http: Any, monkeypatch: Any
 ) -> None:
     calls = {"chunked": 0, "h11": 0}
-    chunked, copy = _relay.copy_chunked, _relay.copy_body
+    chunked, copy = _copy.copy_chunked, _copy.copy_body
 
     async def counting_chunked(*args: Any, **kwargs: Any) -> None:
         calls["chunked"] += 1

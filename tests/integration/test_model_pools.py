@@ -31,7 +31,7 @@ async def two_models(
 ) -> tuple[str, Any]:
     alpha, _ = await start_sim(model="alpha", speed=20.0, max_model_len=max_model_len)
     beta, _ = await start_sim(model="beta", speed=20.0, max_model_len=max_model_len)
-    return await start_guard(
+    started: tuple[str, Any] = await start_guard(
         {
             "BACKENDS": f"b0={alpha},b1={beta}",
             "PIG_POOLS": "alpha=b0; beta=b1",
@@ -39,6 +39,7 @@ async def two_models(
             **extra,
         }
     )
+    return started
 
 
 async def test_the_model_picks_its_backends_and_an_unknown_one_is_404(

@@ -20,7 +20,7 @@ def example() -> tuple[Header, list[object]]:
         items = list(read_records(stream, strict=True))
     header = items[0]
     assert isinstance(header, Header)
-    return header, items[1:]
+    return header, list(items[1:])
 
 
 @pytest.mark.parametrize(

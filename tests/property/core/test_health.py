@@ -173,11 +173,13 @@ def test_a_restored_backend_starts_from_the_first_backoff_after_a_healthy_spell(
         at += 0.1
         health = step(BackendFailed(at, NAME, Failure.CONNECT))
     assert health.ejected_until == pytest.approx(at + 2.0)
+    assert health.ejected_until is not None
     at = health.ejected_until
     assert availability(health, now=at) is Availability.PROBE
     step(ProbeSent(at, NAME))
     health = step(BackendFailed(at, NAME, Failure.RESET))  # the probe failed: twice as long
     assert health.ejected_until == pytest.approx(at + 4.0)
+    assert health.ejected_until is not None
     at = health.ejected_until
     step(ProbeSent(at, NAME))
     health = step(BackendSucceeded(at + 0.1, NAME))

@@ -214,11 +214,12 @@ def test_health_is_guard_state_that_backend_choice_reads(kinds: list[str]) -> No
     expected = HealthState()
     for step, kind in enumerate(kinds):
         at = float(step)
-        event = {
+        events: dict[str, BackendFailed | BackendSucceeded | BackendFull] = {
             "fail": BackendFailed(at, "b0", Failure.RESET),
             "ok": BackendSucceeded(at, "b0"),
             "full": BackendFull(at, "b0"),
-        }[kind]
+        }
+        event = events[kind]
         state = apply_guard_event(state, event).state
         expected = apply_health(expected, event, config.health)
     assert state.health == expected
