@@ -185,14 +185,7 @@ class Exchange:
         method = first_header(headers, b":method") or b"GET"
         target = first_header(headers, b":path") or b"/"
         self.notes = ExchangeNotes(trace_id=app.trace_id(header_values(headers, b"x-request-id")))
-        path = route_path(target)
-        token_checked = path is not None and app.routes.needs_token(method, path)
-        route = app.routes.route(
-            method,
-            path,
-            upgrade=bool(header_values(headers, b"upgrade")),
-            authorized=token_checked and app.authorized(headers),
-        )
+        route = app.route_of(method, route_path(target), headers)
         if route is Route.ADMITTED:
             self.target = target.decode("latin-1").partition("?")[0]
             if app.model_pools is not None and not received.end_of_stream:

@@ -244,6 +244,18 @@ class ProxyApp:
         for listener in self.outcome_listeners:
             listener(outcome)
 
+    def route_of(
+        self, method: bytes, path: str | None, headers: list[tuple[bytes, bytes]]
+    ) -> Route:
+        """The request's route (``Routes.route``), with the token checked where it is needed."""
+        token_checked = path is not None and self.routes.needs_token(method, path)
+        return self.routes.route(
+            method,
+            path,
+            upgrade=bool(header_values(headers, b"upgrade")),
+            authorized=token_checked and self.authorized(headers),
+        )
+
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         """Exactly one Authorization header, equal in constant time to ``Bearer <TOKEN>``."""
         return token_matches(headers, self.expected_digest)
@@ -258,13 +270,7 @@ class ProxyApp:
         path = route_path(request.target)
         headers = framed(request.headers)
         method = request.method
-        token_checked = path is not None and self.routes.needs_token(method, path)
-        route = self.routes.route(
-            method,
-            path,
-            upgrade=bool(header_values(headers, b"upgrade")),
-            authorized=token_checked and self.authorized(headers),
-        )
+        route = self.route_of(method, path, headers)
         if route is Route.ADMITTED:
             await self.admitted(down, request, headers, begun)
         elif route is Route.FORWARD:
