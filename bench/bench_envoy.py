@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -247,13 +245,7 @@ def main() -> int:
     proxy.raise_file_limit()
     plan = proxy.Plan(args)
     setup = EnvoySetup(args)
-    started, load_before = time.monotonic(), os.getloadavg()[0]
-    results = setup.measure(plan)
-    header = {
-        "elapsed": time.monotonic() - started,
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
-    }
+    results, header = proxy.measure_with_load(setup, plan)
     proxy.print_header(setup, plan, "bench_envoy", header)
     version = proxy.tool_version([setup.envoy, "--version"]) if setup.envoy else ""
     print(f"envoy: {version.split('version:')[-1].strip() or 'not installed'}, --concurrency 1")

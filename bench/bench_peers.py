@@ -307,13 +307,7 @@ def main() -> int:
         # An empty local model directory: a router that loads the worker's tokenizer fails here
         # (a warning) instead of trying to download one.
         setup.backend_args = ["--peer-events", "--model-path", str(model_dir)]
-        started, load_before = time.monotonic(), os.getloadavg()[0]
-        results = setup.measure(plan)
-    header = {
-        "elapsed": time.monotonic() - started,
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
-    }
+        results, header = bp.measure_with_load(setup, plan)
     bp.print_header(setup, plan, "bench_peers", header)
     print("guard static: DYNAMIC_PIG_ENABLED=false GLOBAL_LIMIT=100000")
     for line in installs:

@@ -1662,6 +1662,19 @@ def report(setup: Setup, plan: Plan, results: dict[str, Results], header: dict[s
         print("\n".join(table(title, setup.columns, results, stream_rows(streams))))
 
 
+def measure_with_load(setup: Setup, plan: Plan) -> tuple[dict[str, Results], dict[str, float]]:
+    """``setup.measure(plan)``, with what every table's header says of it: how long it took and
+    the load average before and after."""
+    started, load_before = time.monotonic(), os.getloadavg()[0]
+    results = setup.measure(plan)
+    header = {
+        "elapsed": time.monotonic() - started,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
+    return results, header
+
+
 def raise_file_limit() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):
@@ -1677,13 +1690,7 @@ def main() -> int:
     raise_file_limit()
     plan = Plan(args)
     setup = Setup(args)
-    started, load_before = time.monotonic(), os.getloadavg()[0]
-    results = setup.measure(plan)
-    header = {
-        "elapsed": time.monotonic() - started,
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
-    }
+    results, header = measure_with_load(setup, plan)
     report(setup, plan, results, header)
     return 0
 

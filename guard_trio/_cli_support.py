@@ -77,6 +77,22 @@ def number(ok: Callable[[float], bool], requirement: str) -> Callable[[str], flo
     return parse
 
 
+def whole_number(low: int, high: int, unit: str) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to ``high`` (of ``unit``), else a message
+    saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {low} to {high} {unit}, got {value}")
+        return value
+
+    return parse
+
+
 def figure(value: float | None, digits: int = 1) -> str:
     """``value`` with ``digits`` decimals, or ``-`` when there is none."""
     return "-" if value is None else f"{value:.{digits}f}"

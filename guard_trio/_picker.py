@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from guard_adapters.answers import stamped
 from guard_adapters.exchange import (
     NOT_FOUND,
     TOO_MANY_REQUESTS_BODY,
@@ -47,13 +48,15 @@ from guard_adapters.grpc_wire import (
     health_response,
     health_service,
 )
+from guard_adapters.model_pools import outside as pool_outside
 from guard_adapters.model_pools import request_model
 from guard_adapters.outcome import Admission, ExchangeNotes
 from guard_adapters.sse import FirstUsefulEventScanner
 from guard_core import DecisionSource, Lane, body_lane
-from guard_core.traffic import BackendFinished, BackendForwarded
+from guard_core.traffic import BackendFinished
 from guard_trio._engine import AdmissionResult, Attempt, GuardEngine, Slot
 from guard_trio._grpc import Call, CallHandler, GrpcServer
+from guard_trio._metrics_instruments import LaneMetrics
 
 if TYPE_CHECKING:
     from guard_trio._server import GuardServer
@@ -77,8 +80,6 @@ class Picker:
         self.endpoints = tuple(f"{t.host}:{t.port}" for t in self.relay.targets)
         self.semantic_ttft = semantic_ttft
         self.nursery: trio.Nursery | None = None
-        #: Calls in progress (each holds or waits for at most one slot).
-        self.open_calls = 0
         #: Response body messages read (semantic TTFT), and first useful events found in them.
         self.body_chunks_seen = 0
         self.body_bytes_scanned = 0
@@ -131,7 +132,8 @@ class Exchange:
         self.picker = picker
         self.notes = ExchangeNotes()
         self.slot: Slot | None = None
-        self.attempt: Attempt | None = None
+        #: The lanes whose in-flight gauges the admission raised (lowered at the end).
+        self.lanes: tuple[LaneMetrics, ...] = ()
         self.waiting: trio.CancelScope | None = None
         self.backend: int | None = None
         self.status = 0
@@ -145,7 +147,6 @@ class Exchange:
         self.target = ""
         self.allowed: tuple[str, ...] | None = None
         self.body: bytes | None = None
-        picker.open_calls += 1
 
     # -- the call's messages -------------------------------------------------------------------
 
@@ -221,7 +222,7 @@ class Exchange:
                 self.allowed = app.model_pools.backends_for(model)
                 engine = app.pools.of_model(model)
         self.body = body
-        attempt = self.attempt = engine.begin(
+        attempt = engine.begin(
             tier,
             path=self.target,
             body_bytes=length,
@@ -264,21 +265,13 @@ class Exchange:
             return
         notes.admission = Admission.ADMITTED
         self.slot = result.slot
-        metrics = self.picker.app.metrics
-        metrics.tier_accepted[result.slot.tier].inc()
-        for counted in (metrics.lanes[self.lane], metrics.lanes[Lane.GLOBAL]):
-            counted.accepted.inc()
-            counted.inflight.inc()
+        self.lanes = self.picker.app.count_admitted(result.slot.tier, self.lane)
         self.forward(call, slot_engine=engine)
 
     def forward(self, call: Call, *, slot_engine: GuardEngine | None) -> None:
         picker = self.picker
         relay = picker.relay
-        allowed = self.allowed
-        # Backends outside the model's pool count as tried: never picked.
-        outside = frozenset(
-            i for i, name in enumerate(relay.target_names) if allowed and name not in allowed
-        )
+        outside = pool_outside(relay.target_names, self.allowed)  # counted as tried
         key = None if relay.keying is None else relay.keying.key(self.headers, None)
         picked = relay.pick_backend(
             outside, key=key, body_bytes=self.notes.body_bytes, engine=slot_engine
@@ -292,10 +285,7 @@ class Exchange:
             return
         index, _probe = picked
         self.backend = index
-        name = relay.target_names[index]
-        self.notes.backend = name
-        relay.pools.of_backend(name).tell(BackendForwarded, name)
-        relay.backend_metrics[index].accepted.inc()
+        relay.send_to(index, self.notes)
         extra = [(b"x-request-id", self.notes.trace_id.encode())]
         phase = Phase.REQUEST_BODY if self.body is not None else None
         call.send(route_to(picker.endpoints[index], extra, phase=phase))
@@ -304,8 +294,7 @@ class Exchange:
         self, call: Call, status: int, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> None:
         self.status = status
-        stamped = [*headers, (b"x-request-id", self.notes.trace_id.encode())]
-        call.send(answer(status, stamped, body))
+        call.send(answer(status, stamped(headers, self.notes.trace_id), body))
         self.end(status)
         call.finish()
 
@@ -353,7 +342,6 @@ class Exchange:
             return
         self.ended = True
         picker = self.picker
-        picker.open_calls -= 1
         if self.waiting is not None:
             self.waiting.cancel()  # the wait abandons its attempt
         notes = self.notes
@@ -361,8 +349,7 @@ class Exchange:
         notes.served_s = trio.current_time() - self.started
         if self.slot is not None:
             self.slot.release(status)
-            metrics = picker.app.metrics
-            for counted in (metrics.lanes[self.lane], metrics.lanes[Lane.GLOBAL]):
+            for counted in self.lanes:
                 counted.inflight.dec()
         if self.backend is not None:
             name = picker.relay.target_names[self.backend]

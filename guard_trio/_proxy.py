@@ -80,6 +80,7 @@ from guard_core.traffic import OutputIntentObserved, RefusedAfterAdmission
 from guard_trio._attestation import AttestationHandler
 from guard_trio._downstream import Downstream
 from guard_trio._engine import AdmissionResult, Attempt, GuardEngine, PoolEngines
+from guard_trio._metrics_instruments import LaneMetrics
 from guard_trio._observability import GuardMetrics
 from guard_trio._own_routes import answer_own
 from guard_trio._pools import choose_pool
@@ -422,12 +423,7 @@ class ProxyApp:
         assert slot is not None
         notes = down.notes
         metrics = self.metrics
-        # Moments and levels, not outcomes: counted as they happen.
-        metrics.tier_accepted[slot.tier].inc()
-        lanes = (metrics.lanes[lane], metrics.lanes[Lane.GLOBAL])
-        for counted in lanes:
-            counted.accepted.inc()
-            counted.inflight.inc()
+        lanes = self.count_admitted(slot.tier, lane)
         decided = trio.current_time()
         status = 499
         plan = body_plan(
@@ -483,6 +479,18 @@ class ProxyApp:
             notes.status = 499 if down.gone else status
             for counted in lanes:
                 counted.inflight.dec()
+
+    def count_admitted(self, tier: Tier, lane: Lane) -> tuple[LaneMetrics, LaneMetrics]:
+        """An admission's moments and levels, counted as they happen (not outcomes): the tier's
+        and the lanes' accepted counts and in-flight gauges; the caller lowers the gauges of
+        the lanes returned when the request ends."""
+        metrics = self.metrics
+        metrics.tier_accepted[tier].inc()
+        lanes = (metrics.lanes[lane], metrics.lanes[Lane.GLOBAL])
+        for counted in lanes:
+            counted.accepted.inc()
+            counted.inflight.inc()
+        return lanes
 
     def output_intent(self, lane: Lane, length: int | None, body: list[bytes] | None) -> int | None:
         """Spec 6.4: the requested output tokens, when classification is on and the body is read."""

@@ -46,6 +46,7 @@ from guard_trio._cli_support import (
     number,
     read_input,
     settings_with,
+    whole_number,
     write_json,
     write_table,
 )
@@ -82,14 +83,7 @@ _above_one = number(lambda value: math.isfinite(value) and value > 1, "a number 
 _at_least_one = number(lambda value: math.isfinite(value) and value >= 1, "a number >= 1")
 
 
-def _backends(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 1 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"expected 1 to 64 backends, got {value}")
-    return value
+_backends = whole_number(1, 64, "backends")
 
 
 def _routing(text: str) -> str:

@@ -20,21 +20,14 @@ from guard_core.bands import BandSpec
 from guard_core.flow import FlowConfig
 from guard_core.guard import GuardConfig
 from guard_core.tenants import TenantConfig
-from guard_trio._cli_support import figure, number, write_table
+from guard_trio._cli_support import figure, number, whole_number, write_table
 
 __all__ = ("add_flow_arguments", "flow_notes", "print_fairness", "with_flow")
 
 _heavy_share = number(lambda value: 0.0 <= value < 1.0, "in [0, 1)")
 
 
-def _tenant_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 2 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"expected 2 to 1000 tenants, got {value}")
-    return value
+_tenant_count = whole_number(2, 1000, "tenants")
 
 
 def _bands(text: str) -> BandSpec:

@@ -17,6 +17,17 @@ CHAT = "/v1/chat/completions"
 JSON = [("Content-Type", "application/json")]
 
 
+def static(backend: str, *, limit: int | None = None, wait: bool = True) -> dict[str, str]:
+    """A picker's settings: static mode in front of ``backend``, with ``limit`` slots and, when
+    ``wait`` is False, no short wait (a full cap refuses at once)."""
+    environ = {"UPSTREAM": backend, "DYNAMIC_PIG_ENABLED": "false"}
+    if limit is not None:
+        environ["GLOBAL_LIMIT"] = str(limit)
+    if not wait:
+        environ["PIG_QUEUE_WAIT_SECONDS"] = "0"
+    return environ
+
+
 def chat(*, stream: bool = True, max_tokens: int = 8) -> bytes:
     body = {"model": "m", "stream": stream, "max_tokens": max_tokens}
     body["messages"] = [{"role": "user", "content": "hello"}]
@@ -27,9 +38,7 @@ async def test_admitted_streams_flow_through_envoy_to_the_picked_backend(
     nursery: trio.Nursery, tmp_path: Path, start_sim: Any, http: Any, until: Any
 ) -> None:
     backend, sim = await start_sim(speed=0.5)
-    server, picker_port, _guard = await start_picker(
-        nursery, {"UPSTREAM": backend, "DYNAMIC_PIG_ENABLED": "false", "GLOBAL_LIMIT": "8"}
-    )
+    server, picker_port, _guard = await start_picker(nursery, static(backend, limit=8))
     front = await start_envoy(nursery, tmp_path, http, picker_port)
     connection = await connect(front)
     await connection.send_request("POST", CHAT, [*JSON, ("X-Request-Id", "trace-7")], chat())
@@ -55,12 +64,7 @@ async def test_overload_answers_the_guards_429_through_envoy(
     backend, _sim = await start_sim(speed=0.2)
     server, picker_port, _guard = await start_picker(
         nursery,
-        {
-            "UPSTREAM": backend,
-            "DYNAMIC_PIG_ENABLED": "false",
-            "GLOBAL_LIMIT": "1",
-            "PIG_QUEUE_WAIT_SECONDS": "0",
-        },
+        static(backend, limit=1, wait=False),
     )
     front = await start_envoy(nursery, tmp_path, http, picker_port)
     holder = await connect(front)
@@ -81,9 +85,7 @@ async def test_a_client_leaving_mid_stream_frees_its_slot_and_the_backend_stops(
     nursery: trio.Nursery, tmp_path: Path, start_sim: Any, http: Any, until: Any
 ) -> None:
     backend, sim = await start_sim(speed=0.2)
-    server, picker_port, _guard = await start_picker(
-        nursery, {"UPSTREAM": backend, "DYNAMIC_PIG_ENABLED": "false", "GLOBAL_LIMIT": "4"}
-    )
+    server, picker_port, _guard = await start_picker(nursery, static(backend, limit=4))
     front = await start_envoy(nursery, tmp_path, http, picker_port)
     client = await connect(front)
     await client.send_request("POST", CHAT, JSON, chat(max_tokens=400))
@@ -117,12 +119,7 @@ async def test_two_envoys_share_one_picker_and_its_cap(
     backend, _sim = await start_sim(speed=0.2)
     server, picker_port, _guard = await start_picker(
         nursery,
-        {
-            "UPSTREAM": backend,
-            "DYNAMIC_PIG_ENABLED": "false",
-            "GLOBAL_LIMIT": "1",
-            "PIG_QUEUE_WAIT_SECONDS": "0",
-        },
+        static(backend, limit=1, wait=False),
     )
     first = await start_envoy(nursery, tmp_path, http, picker_port)
     second = await start_envoy(nursery, tmp_path, http, picker_port)
@@ -140,9 +137,7 @@ async def test_a_client_cannot_choose_its_backend(
 ) -> None:
     backend, sim = await start_sim()
     _other, other_sim = await start_sim()
-    _server, picker_port, _guard = await start_picker(
-        nursery, {"UPSTREAM": backend, "DYNAMIC_PIG_ENABLED": "false"}
-    )
+    _server, picker_port, _guard = await start_picker(nursery, static(backend))
     front = await start_envoy(nursery, tmp_path, http, picker_port)
     steering = [*JSON, ("x-gateway-destination-endpoint", _other.removeprefix("http://"))]
     reply = await http.request(front, "POST", CHAT, steering, chat(stream=False))
@@ -155,9 +150,7 @@ async def test_semantic_ttft_scans_the_body_only_until_the_first_useful_event(
     nursery: trio.Nursery, tmp_path: Path, start_sim: Any, http: Any, until: Any
 ) -> None:
     backend, _sim = await start_sim(speed=0.5)
-    server, picker_port, _guard = await start_picker(
-        nursery, {"UPSTREAM": backend, "DYNAMIC_PIG_ENABLED": "false", "GLOBAL_LIMIT": "8"}
-    )
+    server, picker_port, _guard = await start_picker(nursery, static(backend, limit=8))
     front = await start_envoy(nursery, tmp_path, http, picker_port, stream_body=True)
     picker = server.picker
     assert picker is not None
