@@ -3,7 +3,12 @@
 Reads: nothing but its arguments.
 Guarantees: :func:`replace` gives the value ``attrs.evolve`` would give, for classes with no
 validators, converters or ``__attrs_post_init__`` (the states the reducers copy on every request);
-it skips evolve's generic machinery, which is most of the cost of a small copy.
+it skips evolve's generic machinery, which is most of the cost of a small copy. A name that is
+not a field raises ``TypeError``, as evolve does.
+
+The states copied on every request (:class:`~guard_core.guard.GuardState`, the learner's state,
+a tracked request) are declared ``slots=False``: their copy is then two dict updates in C, about
+three times faster than setting each slot, for a few nanoseconds more per attribute read.
 """
 
 from __future__ import annotations
@@ -17,7 +22,17 @@ def replace(value: T, **changes: Any) -> T:
     """``attrs.evolve(value, **changes)`` for a plain frozen attrs class (see the module rules)."""
     cls = type(value)
     new = object.__new__(cls)
-    for field in cls.__attrs_attrs__:  # type: ignore[attr-defined]
-        name = field.name
+    fields = getattr(value, "__dict__", None)
+    if fields is not None:  # a dict-backed class: copy the dict, then the changes
+        if not changes.keys() <= fields.keys():
+            raise TypeError(f"{cls.__name__} has no field {sorted(changes.keys() - fields.keys())}")
+        copied = new.__dict__
+        copied.update(fields)
+        copied.update(changes)
+        return new
+    names = [field.name for field in cls.__attrs_attrs__]  # type: ignore[attr-defined]
+    if not changes.keys() <= set(names):
+        raise TypeError(f"{cls.__name__} has no field {sorted(changes.keys() - set(names))}")
+    for name in names:
         object.__setattr__(new, name, changes[name] if name in changes else getattr(value, name))
     return new

@@ -110,7 +110,7 @@ class Snapshot:
     pressure_target_reason: str = ""
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, slots=False)  # copied per request: see guard_core._values
 class LearnerState:
     """The learner between polls."""
 

@@ -134,7 +134,7 @@ GuardEvent = (
 )
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, slots=False)  # copied per request: see guard_core._values
 class GuardState:
     config: GuardConfig
     gate: GateState
@@ -274,6 +274,9 @@ def apply_health_event(state: GuardState, event: HealthEvent) -> GuardState:
 
 def apply(state: GuardState, event: GuardEvent) -> GuardStep:
     """Apply one event; attempts return their outcome, polls the decision they published."""
+    if type(event) is Arrived:  # the most frequent event, on the refusal path: dispatched first
+        state, outcome = request_rules.apply(state, event)
+        return GuardStep(state, outcome=outcome)
     if isinstance(event, MetricsPolled):
         return _poll(state, event)
     if isinstance(event, _TRAFFIC_EVENTS):

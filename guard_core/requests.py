@@ -55,7 +55,7 @@ _DYNAMIC_REJECTS = frozenset(
 _Step = tuple["GuardState", Admission | None]
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, slots=False)  # copied per request: see guard_core._values
 class Tracked:
     """One request the guard knows: waiting (``queued`` set) or holding a slot."""
 
