@@ -1256,6 +1256,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-dynamic", action="store_true", help="skip the dynamic-mode guard")
     parser.add_argument("--no-nginx", action="store_true", help="skip the nginx column")
     parser.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the trio+h11 floor column (bench/naive_proxy.py: a proxy doing nothing else)",
+    )
+    parser.add_argument(
         "--no-refusals", action="store_true", help="skip the refusal flood (every request a 429)"
     )
     parser.add_argument(
@@ -1345,6 +1350,8 @@ REFUSAL_BODY = (
     '"param":null,"code":429}}'
 )
 REFUSAL_CONNECTIONS = 32
+#: The column of bench/naive_proxy.py: what trio and h11 alone allow, the guard's floor.
+FLOOR = "trio+h11 floor"
 #: ``--admin-viewer``'s column, and the token its guard's admin plane wants.
 STALLED_VIEWER = "guard + stalled viewer"
 ADMIN_TOKEN = "bench-admin-token"
@@ -1407,6 +1414,10 @@ class Setup:
         self.admin_port = 0
         self.refusals: dict[str, Results] = {}
         self.nginx: str | None = None
+        if not getattr(args, "no_floor", True):
+            # The floor of the guard's own stack (bench/naive_proxy.py): trio and h11, nothing else.
+            self.columns.append(FLOOR)
+            self.targets[FLOOR] = self.through_floor
         if not getattr(args, "no_nginx", True):
             self.nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
             if self.nginx:
@@ -1523,6 +1534,22 @@ class Setup:
             return run_target(
                 plan, port, backend_port, {"backend": backend.pid, "guard": pid}, self
             )
+
+    def through_floor(
+        self, plan: Plan, backend: subprocess.Popen[Any], backend_port: int
+    ) -> Results:
+        command = [sys.executable, str(Path(__file__).with_name("naive_proxy.py"))]
+        with tempfile.TemporaryDirectory() as scratch:
+            log = Path(scratch) / "floor.log"
+            with (
+                log.open("wb") as log_file,
+                process([*command, str(backend_port)], stdout=log_file, stderr=log_file) as floor,
+            ):
+                if self.pinning:
+                    pin(floor.pid, self.guard_cores)
+                port = wait_for_port(log, floor)
+                pids = {"backend": backend.pid, "guard": floor.pid}
+                return run_target(plan, port, backend_port, pids, self)
 
     def backend_command(self) -> list[str]:
         command = [sys.executable, str(Path(__file__).resolve()), "--serve-backend"]
@@ -1646,6 +1673,12 @@ def report(setup: Setup, plan: Plan, results: dict[str, Results], header: dict[s
             f"nginx: {version or setup.nginx}, plain reverse proxy, one process pinned to the"
             " guard's core, proxy_http_version 1.1, upstream keepalive, proxy_buffering off;"
             " its rows named 'guard' describe that nginx process"
+        )
+    if FLOOR in setup.columns:
+        print(
+            f"{FLOOR}: bench/naive_proxy.py, trio and h11 both ways and nothing else (no"
+            " admission, routing, accounting, timeouts or disconnect watch), pinned to the"
+            " guard's core: the most the guard's stack allows on this machine"
         )
     for note in setup.notes:
         print(f"SKIP {note}" if "skipped" in note or "not installed" in note else note)

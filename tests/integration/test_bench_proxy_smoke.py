@@ -27,6 +27,6 @@ def test_the_proxy_benchmark_runs_in_smoke_mode_and_prints_both_tables() -> None
     assert "POST load generator: " in out
     assert "Small non-streaming POST" in out
     assert "SSE streaming, 8 streams x 50 events/s" in out
-    for column in ("direct", "guard static", "guard dynamic"):
+    for column in ("direct", "guard static", "guard dynamic", "trio+h11 floor"):
         assert column in out
     assert "events per guard CPU-second" in out

@@ -1,0 +1,101 @@
+"""The floor of the guard's stack: a reverse proxy of trio and h11 that does nothing else.
+
+Run: ``python bench/naive_proxy.py UPSTREAM_PORT`` (bench_proxy.py starts it for its
+``trio+h11 floor`` column). It listens on a free port of 127.0.0.1 and logs
+``listening on 127.0.0.1:PORT`` on stderr, as ``inference-guard serve`` does.
+
+Each client connection gets its own kept-alive upstream connection. A request's head and body
+go up as h11 builds them (hop-by-hop headers dropped); the response comes back event by event,
+each body chunk written as soon as it is read, so an SSE stream flows through. There is no
+admission, routing, accounting, timeout, disconnect watch or error handling beyond closing both
+sides. So its requests per CPU-second are what trio and h11 allow on this machine, before the
+guard does any of its own work: the figure the shell cannot beat while it is h11 over trio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import h11
+import trio
+
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"upgrade"})
+_READ = 65536
+
+
+def _forwardable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(name, value) for name, value in headers if name not in _HOP_BY_HOP]
+
+
+async def _next(conn: h11.Connection, stream: trio.SocketStream) -> h11.Event:
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event  # type: ignore[return-value]
+        conn.receive_data(await stream.receive_some(_READ))
+
+
+async def _serve(client: trio.SocketStream, upstream_port: int) -> None:
+    down = h11.Connection(h11.SERVER)
+    up_stream = await trio.open_tcp_stream("127.0.0.1", upstream_port)
+    up = h11.Connection(h11.CLIENT)
+    async with client, up_stream:
+        while True:
+            request = await _next(down, client)
+            if not isinstance(request, h11.Request):
+                return
+            await up_stream.send_all(
+                up.send(
+                    h11.Request(
+                        method=request.method,
+                        target=request.target,
+                        headers=_forwardable(list(request.headers)),
+                    )
+                )
+                or b""
+            )
+            while not isinstance(event := await _next(down, client), h11.EndOfMessage):
+                if not isinstance(event, h11.Data):
+                    return
+                await up_stream.send_all(up.send(event) or b"")
+            await up_stream.send_all(up.send(h11.EndOfMessage()) or b"")
+            response = await _next(up, up_stream)
+            if not isinstance(response, h11.Response):
+                return
+            await client.send_all(
+                down.send(
+                    h11.Response(
+                        status_code=response.status_code,
+                        headers=_forwardable(list(response.headers)),
+                        reason=response.reason,
+                    )
+                )
+                or b""
+            )
+            while not isinstance(event := await _next(up, up_stream), h11.EndOfMessage):
+                if not isinstance(event, h11.Data):
+                    return
+                await client.send_all(down.send(event) or b"")
+            await client.send_all(down.send(h11.EndOfMessage()) or b"")
+            if down.our_state is not h11.DONE or up.our_state is not h11.DONE:
+                return
+            down.start_next_cycle()
+            up.start_next_cycle()
+
+
+async def main(upstream_port: int) -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=4096)
+    port = listeners[0].socket.getsockname()[1]
+    print(f"naive proxy listening on 127.0.0.1:{port}", file=sys.stderr, flush=True)
+
+    async def handler(client: trio.SocketStream) -> None:
+        gone = (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError, OSError)
+        with contextlib.suppress(*gone):
+            await _serve(client, upstream_port)
+
+    await trio.serve_listeners(handler, listeners)
+
+
+if __name__ == "__main__":
+    trio.run(main, int(sys.argv[1]))
