@@ -170,7 +170,8 @@ _converter = cattrs.Converter(forbid_extra_keys=True)
 
 def _omit_unset(cls: type, *names: str) -> None:
     """Unstructure ``cls`` without the fields ``names`` while they hold their defaults."""
-    overrides = {name: override(omit_if_default=True) for name in names}
+    # Any: the per-field overrides travel as keyword arguments beside cattrs' own options.
+    overrides: dict[str, Any] = {name: override(omit_if_default=True) for name in names}
     _converter.register_unstructure_hook(
         cls, make_dict_unstructure_fn(cls, _converter, **overrides)
     )
