@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 from guard_core._errors import GuardError
 
@@ -36,7 +37,28 @@ def _rebuild_line_error(cls: type[LineError], line_no: int, reason: str, source:
     return cls(line_no, reason, source=source)
 
 
-class MetricsParseError(AdapterError):
+class _PlacedError(AdapterError):
+    """A fault in one input, found at an optional place in it (``None``: the input as a whole).
+
+    The message reads ``<subject>: <reason>`` or ``<subject>, <unit> <place>: <reason>``;
+    ``reason`` is the bare explanation. A subclass names its subject and unit and pickles as
+    itself.
+    """
+
+    _SUBJECT: ClassVar[str]
+    _UNIT: ClassVar[str]
+
+    def __init__(self, reason: str, place: int | None = None) -> None:
+        where = self._SUBJECT if place is None else f"{self._SUBJECT}, {self._UNIT} {place}"
+        super().__init__(f"{where}: {reason}")
+        self.reason = reason
+        self._place = place
+
+    def __reduce__(self) -> tuple[type[_PlacedError], tuple[str, int | None]]:
+        return (type(self), (self.reason, self._place))
+
+
+class MetricsParseError(_PlacedError):
     """A backend's metrics page that cannot be read.
 
     ``line_no`` is the 1-based number of the offending line (lines are counted by ``\\n``), or
@@ -44,14 +66,12 @@ class MetricsParseError(AdapterError):
     bare explanation, without the line prefix that the message carries.
     """
 
-    def __init__(self, reason: str, line_no: int | None = None) -> None:
-        where = "metrics page" if line_no is None else f"metrics page, line {line_no}"
-        super().__init__(f"{where}: {reason}")
-        self.reason = reason
-        self.line_no = line_no
+    _SUBJECT = "metrics page"
+    _UNIT = "line"
 
-    def __reduce__(self) -> tuple[type[MetricsParseError], tuple[str, int | None]]:
-        return (type(self), (self.reason, self.line_no))
+    @property
+    def line_no(self) -> int | None:
+        return self._place
 
 
 class ConfigError(AdapterError):
@@ -69,7 +89,7 @@ class ConfigError(AdapterError):
         return (type(self), (self.messages,))
 
 
-class BodyRewriteError(AdapterError):
+class BodyRewriteError(_PlacedError):
     """A request body that the priority / compat rewriter cannot re-emit (spec 6.3).
 
     ``offset`` is the 0-based position in the original body where the fault was found, or
@@ -77,11 +97,9 @@ class BodyRewriteError(AdapterError):
     that is fail-open forwards the original bytes instead.
     """
 
-    def __init__(self, reason: str, offset: int | None = None) -> None:
-        where = "request body" if offset is None else f"request body, byte {offset}"
-        super().__init__(f"{where}: {reason}")
-        self.reason = reason
-        self.offset = offset
+    _SUBJECT = "request body"
+    _UNIT = "byte"
 
-    def __reduce__(self) -> tuple[type[BodyRewriteError], tuple[str, int | None]]:
-        return (type(self), (self.reason, self.offset))
+    @property
+    def offset(self) -> int | None:
+        return self._place

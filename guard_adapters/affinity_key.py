@@ -157,36 +157,42 @@ class _Reader:
             raise _Malformed("bad string")
         return decoded
 
-    def elements(self, depth: int) -> list[object]:
+    def _opened(self, close: str) -> bool:
+        """Step into a container: False when it is empty (``close`` follows) or the text ends."""
         self.pos += 1
-        items: list[object] = []
         if not self._skip_space():
-            return items
-        if self.text[self.pos] == "]":
+            return False
+        if self.text[self.pos] == close:
             self.pos += 1
-            return items
-        while True:
+            return False
+        return True
+
+    def _next_item(self, close: str) -> bool:
+        """Step past what follows an item: True at a ``,``, False at ``close`` or the end."""
+        if self.ended or not self._skip_space():
+            return False
+        char = self.text[self.pos]
+        self.pos += 1
+        if char == close:
+            return False
+        if char != ",":
+            raise _Malformed(f"expected , or {close}")
+        return True
+
+    def elements(self, depth: int) -> list[object]:
+        items: list[object] = []
+        more = self._opened("]")
+        while more:
             item = self.value(depth + 1)
             if item is not _CUT:
                 items.append(item)
-            if self.ended or not self._skip_space():
-                return items
-            char = self.text[self.pos]
-            self.pos += 1
-            if char == "]":
-                return items
-            if char != ",":
-                raise _Malformed("expected , or ]")
+            more = self._next_item("]")
+        return items
 
     def members(self, depth: int) -> dict[str, object]:
-        self.pos += 1
         found: dict[str, object] = {}
-        if not self._skip_space():
-            return found
-        if self.text[self.pos] == "}":
-            self.pos += 1
-            return found
-        while True:
+        more = self._opened("}")
+        while more:
             if not self._skip_space():
                 return found
             if self.text[self.pos] != '"':
@@ -202,14 +208,8 @@ class _Reader:
                 found.setdefault(name, item)
             if self.ended and depth == 0:
                 self.cut_member = name
-            if self.ended or not self._skip_space():
-                return found
-            char = self.text[self.pos]
-            self.pos += 1
-            if char == "}":
-                return found
-            if char != ",":
-                raise _Malformed("expected , or }")
+            more = self._next_item("}")
+        return found
 
 
 def _text_of(content: object) -> str | None:

@@ -177,16 +177,34 @@ class EngineProfile:
         return self.step_base_s + self.decode_token_s * batch + self.kv_token_s * context_tokens
 
 
-_A100_QWEN2_7B: Final = EngineProfile(
-    name="a100-qwen2-7b",
-    max_num_seqs=256,
-    kv_capacity_tokens=464_848,
-    step_base_s=0.0115,
-    decode_token_s=0.000062,
-    prefill_token_s=0.000075,
-    kv_token_s=35e-9,
-    source="Qwen2-7B-Instruct, 1 x A100-80GB, 24.83 GiB KV (Test 5)",
-)
+#: The measured profiles (see "Fitted constants" above), each run with vLLM at 256 sequences and
+#: the field defaults for the batched tokens and model length: the name, the KV cache in tokens,
+#: ``step_base_s``, ``decode_token_s``, ``prefill_token_s``, ``kv_token_s``, and the run.
+_MEASURED: Final = (
+    ("a100-qwen2-7b", 464_848, 0.0115, 0.000062, 0.000075, 35e-9,
+     "Qwen2-7B-Instruct, 1 x A100-80GB, 24.83 GiB KV (Test 5)"),
+    ("a100-qwen2.5-32b", 39_728, 0.0466, 0.000193, 0.000279, 111e-9,
+     "Qwen2.5-32B, 1 x A100-80GB, 9.70 GiB KV (Test 7)"),
+    ("2xa100-tp2-qwen2.5-32b", 67_328, 0.0307, 0.000384, 0.000286, 64e-9,
+     "Qwen2.5-32B, 2 x A100-80GB tensor-parallel, 8.22 GiB KV each (Test 6)"),
+)  # fmt: skip
+
+
+def _measured(row: tuple[str, int, float, float, float, float, str]) -> EngineProfile:
+    name, kv, base, decode, prefill, per_kv, source = row
+    return EngineProfile(
+        name=name,
+        max_num_seqs=256,
+        kv_capacity_tokens=kv,
+        step_base_s=base,
+        decode_token_s=decode,
+        prefill_token_s=prefill,
+        kv_token_s=per_kv,
+        source=source,
+    )
+
+
+_A100_QWEN2_7B, *_OTHERS = map(_measured, _MEASURED)
 
 PROFILES: Final[Mapping[str, EngineProfile]] = MappingProxyType(
     {
@@ -200,26 +218,7 @@ PROFILES: Final[Mapping[str, EngineProfile]] = MappingProxyType(
                 kv_capacity_tokens=93_872,
                 source="Qwen2-7B-Instruct, 1 x A100-80GB, 5.01 GiB KV (Test 4), Test 5 constants",
             ),
-            EngineProfile(
-                name="a100-qwen2.5-32b",
-                max_num_seqs=256,
-                kv_capacity_tokens=39_728,
-                step_base_s=0.0466,
-                decode_token_s=0.000193,
-                prefill_token_s=0.000279,
-                kv_token_s=111e-9,
-                source="Qwen2.5-32B, 1 x A100-80GB, 9.70 GiB KV (Test 7)",
-            ),
-            EngineProfile(
-                name="2xa100-tp2-qwen2.5-32b",
-                max_num_seqs=256,
-                kv_capacity_tokens=67_328,
-                step_base_s=0.0307,
-                decode_token_s=0.000384,
-                prefill_token_s=0.000286,
-                kv_token_s=64e-9,
-                source="Qwen2.5-32B, 2 x A100-80GB tensor-parallel, 8.22 GiB KV each (Test 6)",
-            ),
+            *_OTHERS,
         )
     }
 )

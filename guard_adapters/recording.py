@@ -167,32 +167,22 @@ _KINDS = frozenset(_KIND_OF.values())
 _POLL_KINDS = frozenset({Scrape.KIND, ScrapeFailed.KIND, Decision.KIND})
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
+
+def _omit_unset(cls: type, *names: str) -> None:
+    """Unstructure ``cls`` without the fields ``names`` while they hold their defaults."""
+    # Any: the per-field overrides travel as keyword arguments beside cattrs' own options.
+    overrides: dict[str, Any] = {name: override(omit_if_default=True) for name in names}
+    _converter.register_unstructure_hook(
+        cls, make_dict_unstructure_fn(cls, _converter, **overrides)
+    )
+
+
 # Optional fields are written only when set: a refusal under PIG's learner has no predicted
 # Retry-After, a decision no explanation, an arrival replayed from an old recording no id, and
 # an arrival without flow control no band or tenant (so such a line reads as it always did).
-_converter.register_unstructure_hook(
-    Refused,
-    make_dict_unstructure_fn(
-        Refused,
-        _converter,
-        retry_after_s=override(omit_if_default=True),
-        binding=override(omit_if_default=True),
-    ),
-)
-_converter.register_unstructure_hook(
-    Arrived,
-    make_dict_unstructure_fn(
-        Arrived,
-        _converter,
-        trace_id=override(omit_if_default=True),
-        band=override(omit_if_default=True),
-        tenant=override(omit_if_default=True),
-    ),
-)
-_converter.register_unstructure_hook(
-    Decision,
-    make_dict_unstructure_fn(Decision, _converter, predicted=override(omit_if_default=True)),
-)
+_omit_unset(Refused, "retry_after_s", "binding")
+_omit_unset(Arrived, "trace_id", "band", "tenant")
+_omit_unset(Decision, "predicted")
 configure_tagged_union(Record, _converter, tag_generator=_KIND_OF.__getitem__, tag_name="kind")
 
 

@@ -21,6 +21,7 @@ import math
 
 import attrs
 
+from guard_core.cap_learning import CapLearning
 from guard_core.policy import PolicyConfig
 from guard_core.pressure_guard import is_severe, overload_target
 from guard_core.signals import Confidence, PollSignals
@@ -37,17 +38,12 @@ DOWN_PHASES = frozenset({"pig_down", "pressure_down", "learn_down"})
 
 
 @attrs.frozen(kw_only=True)
-class ThroughputState:
-    """What the throughput learner carries between polls."""
+class ThroughputState(CapLearning):
+    """What the throughput learner carries between polls: its cap's progress
+    (:class:`~guard_core.cap_learning.CapLearning`), its component and its projection."""
 
-    learned: int = 0
-    target: int = 0
     #: The active cap this stage contributed last poll (0: none yet).
     component: int = 0
-    healthy_count: int = 0
-    phase: str = ""
-    reason: str = ""
-    target_reason: str = ""
     #: What the capacity estimate projected this poll (after the low-confidence bound and the
     #: raise to a healthy observed load).
     projected: int = 0

@@ -24,6 +24,7 @@ import math
 import attrs
 
 from guard_core import histogram
+from guard_core.cap_learning import CapLearning
 from guard_core.observations import Histogram
 from guard_core.policy import PolicyConfig
 from guard_core.tier import basic_limit
@@ -45,8 +46,10 @@ class TtftSource(enum.StrEnum):
 
 
 @attrs.frozen(kw_only=True)
-class TtftState:
-    """What the TTFT learner carries from one poll to the next."""
+class TtftState(CapLearning):
+    """What the TTFT learner carries from one poll to the next: its cap's progress
+    (:class:`~guard_core.cap_learning.CapLearning`; ``target_reason`` names the latency that
+    drove the last cut, ``p95_latency`` or ``p99_latency``), its source and its latencies."""
 
     source: TtftSource = TtftSource.NONE
     #: The guard's semantic histogram as of the last poll (cumulative).
@@ -56,13 +59,6 @@ class TtftState:
     smoothed_p99: float = 0.0
     high_count: int = 0
     tail_count: int = 0
-    healthy_count: int = 0
-    learned: int = 0
-    target: int = 0
-    phase: str = ""
-    reason: str = ""
-    #: Which latency drove the last cut: ``p95_latency`` or ``p99_latency`` ("" otherwise).
-    target_reason: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
+from guard_core.cap_learning import CapLearning
 from guard_core.predictive import Binding, FitSummary, Prediction
 from guard_core.ttft_learner import TtftSource
 from guard_trio._metrics_page import MetricRow, counter, gauge, gauge_table, info
@@ -39,9 +40,9 @@ def _reasons(s: Scrape) -> Labels:
     )
 
 
-def _learning(phase: str, reason: str, target_reason: str) -> Labels:
-    return ({"state": phase, "reason": or_unknown(reason),
-             "target_reason": or_unknown(target_reason)},)  # fmt: skip
+def _learning(learner: CapLearning) -> Labels:
+    return ({"state": learner.phase, "reason": or_unknown(learner.reason),
+             "target_reason": or_unknown(learner.target_reason)},)  # fmt: skip
 
 
 _SPECIAL: Final[tuple[Row, ...]] = (
@@ -62,7 +63,7 @@ _SPECIAL: Final[tuple[Row, ...]] = (
     # The target reason is derived from which smoothed quantile is over target.
     info("pig_dynamic_ttft_learning_reason_info",
          "TTFT learner state, reason and target reason.", "reason,state,target_reason",
-         lambda s: _learning(s.ttft.phase, s.ttft.reason, s.ttft.target_reason)),
+         lambda s: _learning(s.ttft)),
     info("pig_dynamic_capacity_estimate_info", "How far the capacity estimate can be trusted.",
          "confidence",
          lambda s: ({"confidence": str(s.signals.confidence)},) if s.has_snapshot else ()),
@@ -70,8 +71,7 @@ _SPECIAL: Final[tuple[Row, ...]] = (
          "mode,state", lambda s: ({"mode": "clean_cap", "state": s.throughput.phase},)),
     info("pig_dynamic_capacity_learning_reason_info",
          "Throughput learner state, reason and target reason.", "reason,state,target_reason",
-         lambda s: _learning(s.throughput.phase, s.throughput.reason,
-                             s.throughput.target_reason)),
+         lambda s: _learning(s.throughput)),
     # The throughput learner keeps its projection for this gauge.
     gauge("pig_dynamic_capacity_projected_limit", "Throughput learner projection.",
           lambda s: s.throughput.projected if s.has_snapshot else 0),
