@@ -29,6 +29,7 @@ import math
 import attrs
 
 from guard_core._errors import InvalidObservation
+from guard_core._values import replace
 from guard_core.decision import (
     Admission,
     Admitted,
@@ -104,7 +105,7 @@ class GateConfig:
         return min(1.0, max(0.05, self.queue_poll_ms * 10 / 1000))
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, slots=False)  # copied per request: see guard_core._values
 class GateState:
     """Slots held and requests waiting, per tier, under the latest published decision."""
 
@@ -292,12 +293,12 @@ def next_check_at(queued: Queued, *, now: float, config: GateConfig) -> float:
 
 def _with_counts(state: GateState, tier: Tier, *, inflight: int, waiting: int) -> GateState:
     if tier is Tier.PREMIUM:
-        return attrs.evolve(
+        return replace(
             state,
             premium_inflight=state.premium_inflight + inflight,
             premium_waiting=state.premium_waiting + waiting,
         )
-    return attrs.evolve(
+    return replace(
         state,
         basic_inflight=state.basic_inflight + inflight,
         basic_waiting=state.basic_waiting + waiting,

@@ -316,19 +316,21 @@ class GuardEngine:
             return
         assert isinstance(outcome, Rejected)
         retry_after_s = outcome.retry_after_s
-        refused = Refused(
-            at=at,
-            request_id=request_id,
-            code=outcome.code,
-            retry_after_s=retry_after_s,
-            binding=attempt.binding,
-        )
-        if request_id in self.state.requests:
-            self._apply(refused)
-        elif self.on_event is not None:
-            # Refused at once: the core never filed it, so applying the event changes nothing
-            # (guard_core.requests ignores an unknown id); the recording still says it.
-            self.on_event(refused)
+        filed, listener = request_id in self.state.requests, self.on_event
+        if filed or listener is not None:
+            refused = Refused(
+                at=at,
+                request_id=request_id,
+                code=outcome.code,
+                retry_after_s=retry_after_s,
+                binding=attempt.binding,
+            )
+            if filed:
+                self._apply(refused)
+            elif listener is not None:
+                # Refused at once: the core never filed it, so applying the event changes
+                # nothing (guard_core.requests ignores an unknown id); the recording says it.
+                listener(refused)
         attempt.result = AdmissionResult(None, outcome.code, waited, retry_after_s, attempt.binding)
 
     def _attempt(self, event: Arrived | Retried) -> tuple[object, Binding | None]:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from guard_core._values import replace
 from guard_core.evaluation import LearnerState
+from guard_core.gate import GateState
 from guard_core.guard import GuardState
 from guard_core.policy import PolicyConfig
 from guard_core.requests import Tracked
@@ -63,7 +64,7 @@ def test_the_copy_stays_frozen() -> None:
 
 def test_the_per_request_states_are_dict_backed() -> None:
     """The states copied on every request take the fast copy (guard_core._values)."""
-    for cls in (GuardState, LearnerState, Tracked):
+    for cls in (GuardState, GateState, LearnerState, Tracked):
         assert "__slots__" not in vars(cls), cls
     learner = LearnerState(config=PolicyConfig())
     assert replace(learner, dynamic_rejects=3) == attrs.evolve(learner, dynamic_rejects=3)
