@@ -34,7 +34,6 @@ more than ``memory`` keys.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Final, Protocol
 
@@ -45,6 +44,7 @@ from guard_core import GuardState
 from guard_core import affinity as affinity_rules
 from guard_core.backend_choice import backend_score, backend_views
 from guard_core.backend_prediction import backend_loads, outlook
+from guard_core.placements import DEFAULT_MEMORY, Placements, cached_tokens, placed
 from guard_core.pool_routing import route
 from guard_core.ranking import Candidate, pig_room
 
@@ -63,8 +63,6 @@ __all__ = (
 
 #: Leading ``hash_ids`` blocks a simulated request's prefix key covers.
 DEFAULT_AFFINITY_BLOCKS: Final = 2
-#: Prefix keys the guard router remembers the placement of (the oldest are forgotten).
-DEFAULT_MEMORY: Final = 4096
 ROUTINGS: Final = ("round-robin", "least-loaded", "guard")
 
 
@@ -140,16 +138,6 @@ class LeastLoaded:
         return {}
 
 
-@attrs.frozen
-class _Placed:
-    """Where a prefix key last went: the backend, its prompt size, and the prompt tokens that
-    backend had been sent in all just after it."""
-
-    backend: int
-    prompt_tokens: int
-    sent_after: int
-
-
 class GuardRouting:
     """The guard's router (see the module notes)."""
 
@@ -163,33 +151,26 @@ class GuardRouting:
         memory: int = DEFAULT_MEMORY,
     ) -> None:
         affinity_rules.load_bound(0, 1, bound)  # checks the bound
-        if memory < 1:
-            raise ValueError(f"the prefix memory must hold at least one key, got {memory}")
         self.affinity_blocks = affinity_blocks
         self.bound = bound
         self.memory = memory
         self._ring: affinity_rules.Ring | None = None
         self._reasons: dict[str, int] = {}
-        #: Prefix keys, oldest first, and the prompt tokens sent to each backend in all.
-        self._placed: OrderedDict[int, _Placed] = OrderedDict()
-        self._sent: list[int] = []
+        #: Where the latest requests of each prefix key went (the core's estimate of a warm
+        #: cache, the same one the live proxy keeps per pool).
+        self._placements = Placements(memory=memory)
 
-    def _cached(self, view: RoutingView, key: int | None) -> list[float]:
-        """The prompt tokens of this request each backend's prefix cache is expected to hold:
-        the earlier request with the same key, while the prompt tokens sent to its backend
-        since then fit in that backend's cache (the learned KV capacity, else the view's)."""
-        cached = [0.0] * len(view.names)
-        placed = self._placed.get(key) if key is not None else None
-        if placed is None or placed.backend >= len(cached):
-            return cached
+    def _cached(self, view: RoutingView, key: int | None) -> tuple[float, ...]:
+        """The prompt tokens of this request each backend's prefix cache is expected to hold
+        (:func:`guard_core.placements.cached_tokens`, with the learned KV capacity, else the
+        view's cache size)."""
         capacity: float | None = view.cache_tokens
         predictive = view.guard.predictive if view.guard is not None else None
         if predictive is not None and predictive.kv_per_token:
             capacity = 1.0 / predictive.kv_per_token
-        since = self._sent[placed.backend] - placed.sent_after
-        if capacity is None or since <= capacity:
-            cached[placed.backend] = float(min(placed.prompt_tokens, view.request.prompt_tokens))
-        return cached
+        return cached_tokens(
+            self._placements, key, view.names, view.request.prompt_tokens, capacity=capacity
+        )
 
     def _candidates(self, view: RoutingView, cached: Sequence[float]) -> list[Candidate]:
         guard = view.guard
@@ -252,8 +233,7 @@ class GuardRouting:
         names = view.names
         if self._ring is None or self._ring.names != names:
             self._ring = affinity_rules.build_ring(names)
-            self._sent = [0] * len(names)
-            self._placed.clear()
+            self._placements = Placements(memory=self.memory)
         key = prefix_key(view.request.hash_ids, self.affinity_blocks)
         candidates = self._candidates(view, self._cached(view, key))
         chosen = route(candidates, ring=self._ring, key=key, bound=self.bound)
@@ -261,24 +241,15 @@ class GuardRouting:
         if chosen is not None:
             reason = str(chosen.reason)
             self._reasons[reason] = self._reasons.get(reason, 0) + 1
-        self._remember(key, index, view.request.prompt_tokens)
+        self._placements = placed(self._placements, key, names[index], view.request.prompt_tokens)
         return index
-
-    def _remember(self, key: int | None, backend: int, prompt_tokens: int) -> None:
-        self._sent[backend] += max(0, prompt_tokens)
-        if key is None:
-            return
-        self._placed.pop(key, None)
-        self._placed[key] = _Placed(backend, max(0, prompt_tokens), self._sent[backend])
-        while len(self._placed) > self.memory:
-            self._placed.popitem(last=False)
 
     def reasons(self) -> Mapping[str, int]:
         return dict(self._reasons)
 
     def remembered(self) -> int:
         """How many prefix keys' placements the router holds (at most ``memory``)."""
-        return len(self._placed)
+        return len(self._placements.keys)
 
 
 def parse_routing(

@@ -6,7 +6,9 @@ per backend, health, the predictive learner), the backends' names in configurati
 request's affinity key and body size, the backends it already went to, and ``now``.
 Guarantees:
 - under :class:`Routing` with a ring (``PIG_ROUTING=guard``) the pool router
-  (:func:`guard_core.pool_routing.route`) chooses; PIG's backend choice
+  (:func:`guard_core.pool_routing.route`) chooses, with the prompt tokens each backend is
+  expected to hold cached for the request (:mod:`guard_core.placements`, from where the
+  latest requests of its prefix key went); PIG's backend choice
   (:func:`guard_core.backend_choice.choose_backend`) does otherwise, and whenever the router
   finds no backend;
 - a backend in ``tried`` is never picked; ``None`` when no backend may take the request;
@@ -22,7 +24,8 @@ import attrs
 
 from guard_core.affinity import DEFAULT_BOUND, Ring
 from guard_core.backend_choice import backend_views, choose_backend, is_probe
-from guard_core.guard import GuardState
+from guard_core.guard import GuardState, prompt_tokens_of
+from guard_core.placements import cached_tokens
 from guard_core.pool_routing import candidates, route
 
 __all__ = ("Pick", "Routing", "pick_backend")
@@ -62,14 +65,26 @@ def pick_backend(
     views = backend_views(names, state.published, state.traffic, state.health)
     chosen: int | None = None
     if routing.ring is not None:
+        predictive = state.predictive
+        capacity = None
+        if predictive is not None and predictive.kv_per_token:
+            capacity = 1.0 / predictive.kv_per_token  # the learned KV capacity, in tokens
+        cached = cached_tokens(
+            state.traffic.placements,
+            key,
+            names,
+            prompt_tokens_of(state, body_bytes),
+            capacity=capacity,
+        )
         pool = candidates(
             views,
             now=now,
-            predictive=state.predictive,
+            predictive=predictive,
             body_bytes=body_bytes,
             tried=tried,
             capacity_ratio=policy.capacity_ratio,
             target_user_tps=policy.user_tps_yellow,
+            cached=cached,
         )
         routed = route(pool, ring=routing.ring, key=key, bound=routing.bound)
         chosen = None if routed is None else routed.index

@@ -63,12 +63,14 @@ from guard_core.health import (
     polled,
 )
 from guard_core.lanes import AdaptiveOutputConfig
+from guard_core.placements import placed
 from guard_core.policy import PolicyConfig
 from guard_core.pool_admission import is_pool, pool_cap
 from guard_core.predictive import Prediction, PredictiveConfig, PredictiveState
 from guard_core.predictive_cap import published_cap
 from guard_core.published import Published, publish
 from guard_core.requests import Tracked
+from guard_core.settings import default_of
 from guard_core.traffic import (
     BackendFinished,
     BackendForwarded,
@@ -124,6 +126,8 @@ class MetricsPolled:
 
 #: Everything the guard applies: request events, polls, and a decision published directly (a
 #: runtime that pins the cap without polling, as tests do).
+#: Bytes per prompt token assumed without the predictive learner (its own default).
+_DEFAULT_BYTES_PER_TOKEN: float = default_of(PredictiveConfig, "bytes_per_token")
 _TRAFFIC_EVENTS = (BackendForwarded, BackendFinished, OutputIntentObserved, RefusedAfterAdmission)
 _HEALTH_EVENTS = (BackendFailed, BackendSucceeded, BackendFull, ProbeSent, ProbeAbandoned)
 
@@ -252,9 +256,23 @@ def _predictive_decision(
     return attrs.evolve(pig, cap=cap, final_reason=reason), predictive
 
 
+def prompt_tokens_of(state: GuardState, body_bytes: int | None) -> float:
+    """The prompt-size estimate of a body of ``body_bytes``: the predictive learner's (with the
+    bytes per token it learned), else at the learner's default bytes per token (0: unknown)."""
+    if state.predictive is not None:
+        return state.predictive.prompt_tokens(body_bytes)
+    if body_bytes is None:
+        return 0.0
+    return body_bytes / _DEFAULT_BYTES_PER_TOKEN
+
+
 def apply_traffic_event(state: GuardState, event: TrafficEvent) -> GuardState:
     """:func:`apply` for a traffic event, which has no outcome: the new state only."""
     traffic = apply_traffic(state.traffic, event, state.config.adaptive_output)
+    if isinstance(event, BackendForwarded) and event.body_bytes is not None:
+        tokens = prompt_tokens_of(state, event.body_bytes)
+        placements = placed(traffic.placements, event.key, event.backend, tokens)
+        traffic = replace(traffic, placements=placements)
     predictive = state.predictive
     if (
         predictive is not None

@@ -110,16 +110,19 @@ def candidates(
     tried: frozenset[int] = frozenset(),
     capacity_ratio: float,
     target_user_tps: float,
+    cached: Sequence[float] | None = None,
 ) -> tuple[Candidate, ...]:
     """The router's view of a pool for one request, from backend choice's views: eligible when
     health lets it take work and the request has not been there yet; room and rank from the
     predictive learner's outlook for this request when it runs, else from PIG's room rule and
-    load score."""
+    load score; ``cached``: the prompt tokens each backend's prefix cache is expected to hold
+    for it (:func:`guard_core.placements.cached_tokens`; none known: 0)."""
     pool_inflight = sum(view.inflight for view in views)
     loads = backend_loads(predictive, at=now) if predictive is not None else None
     built = []
     for index, view in enumerate(views):
         eligible = index not in tried and takes_work(view, now=now)
+        held = cached[index] if cached is not None else 0.0
         if predictive is not None:
             seen = outlook(
                 predictive,
@@ -142,6 +145,7 @@ def candidates(
                     load=view.inflight,
                     outlook=seen,
                     pending_tokens=pending,
+                    cached_tokens=held,
                 )
             )
         else:
@@ -154,6 +158,7 @@ def candidates(
                     score=backend_score(
                         view, capacity_ratio=capacity_ratio, target_user_tps=target_user_tps
                     ),
+                    cached_tokens=held,
                 )
             )
     return tuple(built)

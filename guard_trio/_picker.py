@@ -285,7 +285,7 @@ class Exchange:
             return
         index, _probe = picked
         self.backend = index
-        relay.send_to(index, self.notes)
+        relay.send_to(index, self.notes, key, self.notes.body_bytes)
         extra = [(b"x-request-id", self.notes.trace_id.encode())]
         phase = Phase.REQUEST_BODY if self.body is not None else None
         call.send(route_to(picker.endpoints[index], extra, phase=phase))

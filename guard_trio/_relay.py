@@ -158,20 +158,18 @@ class Relay:
         picked = self.pick_backend(outside, key=key, body_bytes=body_length, engine=engine)
         assert picked is not None
         index, probe = picked
-        if rewriter is not None:
-            body_length = None  # the rewritten body goes upstream chunked
         upstream = partial(
             upstream_headers,
             headers,
             peer=down.peer.encode(),
             tier=tier,
             lane=lane,
-            body_length=body_length,
+            body_length=None if rewriter is not None else body_length,  # a rewrite goes chunked
             output_tokens=output_tokens,
             trace_id=down.notes.trace_id.encode(),
         )
         notes = down.notes
-        target = self.send_to(index, notes)
+        target = self.send_to(index, notes, key, body_length)
         status = 0
         bridge = (
             self.config.sse_early_bridge
@@ -182,7 +180,7 @@ class Relay:
         # A request whose body we hold (or that has none) can be sent again when a kept-alive
         # connection fails before the request was fully written. Once it was written, only an
         # idempotent one is: a POST the backend may have started must not generate twice.
-        replayable = body is not None or body_length == 0
+        replayable = body is not None or (body_length == 0 and rewriter is None)
         idempotent = request.method in _IDEMPOTENT
         tried = {index, *outside}
         up: UpstreamConnection | None = None
@@ -238,7 +236,7 @@ class Relay:
                         self.pools.of_backend(target.name).tell(BackendFinished, target.name)
                         (index, probe), fresh = again, False
                         tried.add(index)
-                        target = self.send_to(index, notes)
+                        target = self.send_to(index, notes, key, body_length)
             if deadline.cancelled_caught:
                 if down.can_respond:
                     await down.skip_body()
@@ -255,11 +253,21 @@ class Relay:
             notes.proxy_s = trio.current_time() - proxy_started
         return status
 
-    def send_to(self, index: int, notes: ExchangeNotes) -> UpstreamTarget:
-        """The request goes to backend ``index`` now: noted, counted, told to the core."""
+    def send_to(
+        self,
+        index: int,
+        notes: ExchangeNotes,
+        key: int | None = None,
+        body_bytes: int | None = None,
+    ) -> UpstreamTarget:
+        """The request goes to backend ``index`` now: noted, counted, told to the core (with
+        its id, and with affinity on its prefix key and body size, for the router's memory)."""
         target = self.targets[index]
         notes.backend = target.name
-        self.pools.of_backend(target.name).tell(BackendForwarded, target.name)
+        placement = () if self.keying is None else (key, body_bytes)
+        self.pools.of_backend(target.name).tell(
+            BackendForwarded, target.name, notes.request_id, *placement
+        )
         self.backend_metrics[index].accepted.inc()  # a moment, not an outcome: counted now
         return target
 

@@ -11,6 +11,8 @@ from typing import Any
 import trio
 
 from guard_core.affinity import load_bound
+from guard_core.guard import prompt_tokens_of
+from guard_core.placements import cached_tokens
 
 CHAT = "/v1/chat/completions"
 
@@ -147,3 +149,32 @@ async def test_a_throttled_backend_gets_less_work(
     served = accepted(server)
     assert served["b0"] + served["b1"] == 40
     assert served["b1"] < served["b0"], served
+
+
+async def test_the_live_router_remembers_where_each_prefix_went_in_the_core(
+    start_sim: Any, start_guard: Any, http: Any
+) -> None:
+    """The proxy tells the core each placement (the request's prefix key and size with its
+    backend), so the router's estimate of a warm cache is the simulator's, kept as core state:
+    a request sharing a prefix is expected to find it cached where the last one went, and only
+    there."""
+    named = await pool(start_sim, 3)
+    guard, server = await start_guard(env(named, DYNAMIC_PIG_ENABLED="false"))
+    keying = server.app.relay.keying
+    assert keying is not None
+    names = tuple(named)
+    for n in range(6):
+        body = chat(f"System prompt number {n}, long enough to matter.", "hello")
+        before = accepted(server)
+        reply = await http.request(guard, "POST", CHAT, [], body)
+        assert reply.status == 200
+        (went,) = (accepted(server) - before).keys()
+        key = keying.key([], [body])
+        assert key is not None
+        placements = server.engine.state.traffic.placements
+        assert placements.keys[key].backend == went
+        expected = prompt_tokens_of(server.engine.state, len(body))
+        held = cached_tokens(placements, key, names, expected, capacity=None)
+        assert held == tuple(expected if name == went else 0.0 for name in names)
+    assert len(server.engine.state.traffic.placements.keys) == 6
+    assert sum(server.engine.state.traffic.placements.sent.values()) > 0
