@@ -5,8 +5,10 @@ Run: ``python bench/naive_proxy.py UPSTREAM_PORT`` (bench_proxy.py starts it for
 ``listening on 127.0.0.1:PORT`` on stderr, as ``inference-guard serve`` does.
 
 Each client connection gets its own kept-alive upstream connection. A request's head and body
-go up as h11 builds them (hop-by-hop headers dropped); the response comes back event by event,
-each body chunk written as soon as it is read, so an SSE stream flows through. There is no
+go up as h11 builds them (hop-by-hop headers dropped); the response head comes back through h11
+and its body event by event, each chunk written as soon as it is read. A chunked body (an SSE
+stream) to an HTTP/1.1 client is copied as raw bytes instead, as the guard's own fast path does
+(its end found by a naive check, after which the connection closes). There is no
 admission, routing, accounting, timeout, disconnect watch or error handling beyond closing both
 sides. So its requests per CPU-second are what trio and h11 allow on this machine, before the
 guard does any of its own work: the figure the shell cannot beat while it is h11 over trio.
@@ -34,6 +36,28 @@ async def _next(conn: h11.Connection, stream: trio.SocketStream) -> h11.Event:
         if event is not h11.NEED_DATA:
             return event  # type: ignore[return-value]
         conn.receive_data(await stream.receive_some(_READ))
+
+
+def _chunked(response: h11.Response) -> bool:
+    return any(
+        name == b"transfer-encoding" and value.lower() == b"chunked"
+        for name, value in response.headers
+    )
+
+
+async def _copy_chunked(
+    up: h11.Connection, up_stream: trio.SocketStream, client: trio.SocketStream
+) -> None:
+    """A chunked body to an HTTP/1.1 client as raw bytes, as the guard's fast path copies it,
+    until a read ends with the last chunk (the naive framing check a floor can afford)."""
+    data = bytes(up.trailing_data[0])
+    while not data.endswith(b"0\r\n\r\n"):
+        if data:
+            await client.send_all(data)
+        data = bytes(await up_stream.receive_some(_READ))
+        if not data:
+            return
+    await client.send_all(data)
 
 
 async def _serve(client: trio.SocketStream, upstream_port: int) -> None:
@@ -73,6 +97,9 @@ async def _serve(client: trio.SocketStream, upstream_port: int) -> None:
                 )
                 or b""
             )
+            if _chunked(response) and request.http_version == b"1.1":
+                await _copy_chunked(up, up_stream, client)
+                return  # h11 did not see the body: this connection is not reused
             while not isinstance(event := await _next(up, up_stream), h11.EndOfMessage):
                 if not isinstance(event, h11.Data):
                     return
