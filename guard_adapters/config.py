@@ -459,6 +459,7 @@ class Environment:
     pig_tenant_max: int = FROM_CONFIG
     pig_tenant_token_unit: float = FROM_CONFIG
     pig_tenant_max_lag: float = FROM_CONFIG
+    pig_tenant_output_weight: float = FROM_CONFIG
     # -- spec 2.7: SSE
     sse_keepalive_enabled: bool = False
     sse_early_bridge_enabled: bool = False

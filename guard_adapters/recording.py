@@ -35,7 +35,7 @@ from cattrs.strategies import configure_tagged_union
 
 from guard_adapters import recording_v1
 from guard_adapters._errors import LineError
-from guard_core import Arrived, Refused, RequestEvent
+from guard_core import Arrived, Finished, Refused, RequestEvent
 
 __all__ = (
     "FORMAT",
@@ -169,7 +169,8 @@ _converter = cattrs.Converter(forbid_extra_keys=True)
 
 # Optional fields are written only when set: a refusal under PIG's learner has no predicted
 # Retry-After, a decision no explanation, an arrival replayed from an old recording no id, and
-# an arrival without flow control no band or tenant (so such a line reads as it always did).
+# an arrival without flow control no band or tenant, an end no output token count (so such a
+# line reads as it always did).
 _converter.register_unstructure_hook(
     Refused,
     make_dict_unstructure_fn(
@@ -188,6 +189,10 @@ _converter.register_unstructure_hook(
         band=override(omit_if_default=True),
         tenant=override(omit_if_default=True),
     ),
+)
+_converter.register_unstructure_hook(
+    Finished,
+    make_dict_unstructure_fn(Finished, _converter, output_tokens=override(omit_if_default=True)),
 )
 _converter.register_unstructure_hook(
     Decision,

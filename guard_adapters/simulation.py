@@ -450,7 +450,8 @@ class _Run:
         if len(self.names) > 1 and req.backend is not None:
             ended = BackendFinished(at=at, backend=self.names[req.backend])
             self.guard = apply_guard_event(self.guard, ended).state
-        self.guard = apply_guard_event(self.guard, Finished(at=at, request_id=req.rid)).state
+        done = Finished(at=at, request_id=req.rid, output_tokens=req.tokens)
+        self.guard = apply_guard_event(self.guard, done).state
         if self.waiters:
             self._retry(at, everyone=True)
 

@@ -153,11 +153,15 @@ def abandoned(flow: FlowState, band: int, tenant: str) -> FlowState:
     return replace(flow, waiting=_bump(flow.waiting, band, -1), table=table)
 
 
-def finished(flow: FlowState, band: int, tenant: str) -> FlowState:
-    """An admitted request gave its slot back."""
+def finished(
+    flow: FlowState, band: int, tenant: str, *, output_tokens: int | None = None
+) -> FlowState:
+    """An admitted request gave its slot back, having delivered ``output_tokens`` (if known)."""
     table = flow.table
-    if flow.config.tenants is not None:
-        table = tenant_rules.released(table, band, tenant)
+    tenants = flow.config.tenants
+    if tenants is not None:
+        cost = tenants.output_cost(output_tokens)
+        table = tenant_rules.released(table, band, tenant, cost=cost)
     return replace(flow, inflight=_bump(flow.inflight, band, -1), table=table)
 
 

@@ -254,11 +254,19 @@ def _forward(state: GuardState, request_id: int, tracked: Tracked, at: float) ->
     return _with(state, request_id, forwarded, learner=learner, predictive=predictive)
 
 
-def _finish(state: GuardState, request_id: int, tracked: Tracked, at: float) -> GuardState:
+def _finish(
+    state: GuardState,
+    request_id: int,
+    tracked: Tracked,
+    at: float,
+    output_tokens: int | None = None,
+) -> GuardState:
     """The slot goes back and, for a forwarded request, its prefill grace ends: one step."""
     gate = gate_rules.apply(state.gate, gate_rules.SlotReleased(at, tracked.tier)).state
     if state.flow is not None:
-        flow = flow_rules.finished(state.flow, tracked.band, tracked.tenant)
+        flow = flow_rules.finished(
+            state.flow, tracked.band, tracked.tenant, output_tokens=output_tokens
+        )
         state = replace(state, flow=flow)
     if not tracked.forwarded:
         return _with(state, request_id, None, gate=gate)
@@ -329,7 +337,7 @@ def apply(state: GuardState, event: RequestEvent) -> _Step:
             return state, None  # it never ran
         if isinstance(event, FirstToken):
             return _first_token(state, event), None
-        return _finish(state, request_id, tracked, event.at), None
+        return _finish(state, request_id, tracked, event.at, event.output_tokens), None
     # Forwarded or Refused: the runtime ended the attempt; a wait this state still has ends too.
     state, outcome = _end_wait(state, request_id, tracked, event.at)
     held = state.requests.get(request_id)

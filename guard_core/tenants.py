@@ -2,7 +2,8 @@
 
 Reads: the trusted tenant key of each request (``PIG_TENANT_HEADER``), the weights
 (``PIG_TENANT_WEIGHTS``), and per (band, tenant) the slots held, the requests waiting and the
-service attained (requests, plus prompt tokens in units of ``token_unit``).
+service attained (requests, plus prompt tokens and ``output_weight`` times the output tokens
+delivered, in units of ``token_unit``).
 Guarantees:
 - the table holds at most ``max_tenants`` entries; a new tenant takes the place of the least
   recently seen entry that holds and awaits nothing, and when every entry is busy it is counted
@@ -84,6 +85,9 @@ class TenantConfig:
     #: ``PIG_TENANT_MAX_LAG``: the most service (in requests) a tenant's history may count
     #: against it over the least-served active tenant of its band.
     max_lag: float = setting(8.0, env="PIG_TENANT_MAX_LAG", rules=(AtLeast(0),))
+    #: ``PIG_TENANT_OUTPUT_WEIGHT``: what one output token counts for against one prompt token
+    #: (decoding a token costs the engine more than prefilling one; 0: output not counted).
+    output_weight: float = setting(2.0, env="PIG_TENANT_OUTPUT_WEIGHT", rules=(AtLeast(0),))
 
     def __attrs_post_init__(self) -> None:
         require_valid(self)
@@ -98,6 +102,10 @@ class TenantConfig:
         """The service one admitted request attains: 1, plus its prompt in token units."""
         tokens = max(0, body_bytes or 0) / _BYTES_PER_TOKEN
         return 1.0 + tokens / self.token_unit
+
+    def output_cost(self, output_tokens: int | None) -> float:
+        """The service a finished request's ``output_tokens`` add (0 when not counted)."""
+        return self.output_weight * max(0, output_tokens or 0) / self.token_unit
 
 
 @attrs.frozen
@@ -164,8 +172,12 @@ def left_queue(table: TenantTable, band: int, tenant: str) -> TenantTable:
     return _change(table, band, tenant, waiting=-1)
 
 
-def released(table: TenantTable, band: int, tenant: str) -> TenantTable:
-    return _change(table, band, tenant, inflight=-1)
+def released(table: TenantTable, band: int, tenant: str, *, cost: float = 0.0) -> TenantTable:
+    """``tenant`` gave a slot back; its output (``cost``, :meth:`TenantConfig.output_cost`)
+    adds to its attained service."""
+    stats = table.entries.get((band, tenant), TenantStats())
+    changed = attrs.evolve(stats, inflight=stats.inflight - 1, service=stats.service + cost)
+    return _put(table, (band, tenant), changed)
 
 
 def admitted(

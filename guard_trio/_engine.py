@@ -91,13 +91,18 @@ class Slot:
             # A prefill ended: the predictive learner may have room again for a waiter.
             self.engine._notify()
 
-    def release(self, status: int = 0) -> None:
+    def release(self, status: int = 0, output_tokens: int | None = None) -> None:
+        """Give the slot back; ``output_tokens``: what the response delivered, when counted
+        (tenant fairness counts it in attained service)."""
         if self.released:
             return
         self.released = True
         engine = self.engine
         # One event: the core gives the slot back and ends the prefill grace in one step.
-        engine._apply(Finished(at=engine._at(), request_id=self.request_id, status=status))
+        ended = Finished(
+            at=engine._at(), request_id=self.request_id, status=status, output_tokens=output_tokens
+        )
+        engine._apply(ended)
         engine._notify()
 
 

@@ -268,3 +268,54 @@ def test_history_counts_against_a_tenant_at_most_max_lag(
         assert ra < rb
     if service_a - floor >= lag and service_b - floor >= lag:
         assert (ra < rb) == ((served_a, "a") < (served_b, "b"))
+
+
+@given(st.integers(0, 5000), st.integers(0, 5000), st.sampled_from([0.0, 1.0, 2.0]))
+def test_output_tokens_count_in_attained_service(
+    tokens_a: int, tokens_b: int, output_weight: float
+) -> None:
+    """Two tenants with the same history except the output tokens their requests delivered:
+    when both hold as many slots and wait, the one that got fewer weighted output tokens is
+    retried first (the earlier served on a tie, or when output does not count)."""
+    config = GuardConfig(
+        gate=core.GateConfig(global_limit=3, dynamic=False, queue_wait_s=0.5),
+        learning=False,
+        flow=FlowConfig(
+            bands=ONE_BAND,
+            tenants=TenantConfig(max_lag=1e9, output_weight=output_weight),
+        ),
+    )
+    state = GuardState.initial(config, at=0.0)
+
+    def send(rid: int, tenant: str, at: float) -> core.Admission | None:
+        nonlocal state
+        step = apply_guard_event(
+            state, Arrived(at=at, request_id=rid, tier=core.Tier.BASIC, tenant=tenant)
+        )
+        state = step.state
+        return step.outcome
+
+    def end(rid: int, at: float, tokens: int | None = None) -> None:
+        nonlocal state
+        state = apply_guard_event(
+            state, Finished(at=at, request_id=rid, output_tokens=tokens)
+        ).state
+
+    assert isinstance(send(1, "c", 0.0), core.Admitted)  # c keeps one slot until the end
+    assert isinstance(send(2, "a", 0.0), core.Admitted)
+    assert isinstance(send(3, "b", 0.0), core.Admitted)
+    end(2, 0.05, tokens_a)
+    end(3, 0.05, tokens_b)
+    assert isinstance(send(4, "a", 0.1), core.Admitted)
+    assert isinstance(send(5, "b", 0.11), core.Admitted)
+    assert isinstance(send(6, "a", 0.2), core.Queued)
+    assert isinstance(send(7, "b", 0.2), core.Queued)
+    end(1, 0.3)
+    flow = state.flow
+    assert flow is not None
+    order = retry_order(flow, state.requests, limit=3, inflight=state.gate.inflight)
+    first = state.requests[order[0]].tenant
+    expected = "a" if output_weight * tokens_a <= output_weight * tokens_b else "b"
+    assert first == expected
+    step = apply_guard_event(state, Retried(at=0.3, request_id=order[0]))
+    assert isinstance(step.outcome, core.Admitted)
