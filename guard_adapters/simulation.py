@@ -122,7 +122,7 @@ from guard_core import (
     current_limit,
     next_check_at,
 )
-from guard_core.flow import retry_order
+from guard_core.flow import RETRY_PASSES, retry_has_room, retry_order
 from guard_core.traffic import BackendFinished, BackendForwarded
 
 __all__ = (
@@ -487,19 +487,22 @@ class _Run:
             req.reject_code = "static_limit"
 
     def _retry(self, at: float, *, everyone: bool) -> None:
-        while True:
+        for _ in range(RETRY_PASSES):
             ended = False
             for rid in self._retry_order():
                 entry = self.waiters.get(rid)
                 if entry is None or (not everyone and entry[1] > at):
                     continue
                 assert self.guard is not None
+                if self.flow and entry[1] > at and not retry_has_room(self.guard.gate):
+                    continue  # no retry can be admitted: only the waits that end now
                 step = apply_guard_event(self.guard, Retried(at=at, request_id=rid))
                 self.guard = step.state
                 self._settle(self.reqs[rid], step.outcome, at)
                 ended = ended or not isinstance(step.outcome, Queued)
             # Flow control ranks waiters: as the live engine does, a wait that ended (a slot
-            # taken or given up) wakes the others again, since one passed over may be next now.
+            # taken or given up) wakes the others again, since one passed over may be next now,
+            # once (``RETRY_PASSES``).
             if not (ended and self.waiters and self.flow):
                 return
             everyone = True

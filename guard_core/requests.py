@@ -99,9 +99,11 @@ def _waited(
 
 
 def _predictive_attempt(
-    state: GuardState, event: gate_rules.SlotRequested | gate_rules.WaitRetried
+    state: GuardState, event: gate_rules.SlotRequested | gate_rules.WaitRetried, tracked: Tracked
 ) -> tuple[gate_rules.GateStep, Prediction | None]:
-    """The gate's counts first; what they admit must also pass the learner's predictions."""
+    """The gate's counts first; what they admit must also pass the learner's predictions (a
+    tenant ahead of its band must also leave room for the band's spare, ``PIG_TENANT_SPARE``,
+    as that many more decoders)."""
     predictive = state.predictive
     assert predictive is not None
     gate = state.gate
@@ -114,6 +116,15 @@ def _predictive_attempt(
         reserve = 0
         if tier is Tier.BASIC:
             reserve = max(0, premium_reserved(limit, gate.premium_inflight) - gate.premium_inflight)
+        if state.flow is not None:
+            reserve += flow_rules.spare_reserve(
+                state.flow,
+                tracked.band,
+                tracked.tenant,
+                limit=limit,
+                inflight=gate.inflight,
+                at=event.at,
+            )
         if is_pool(predictive):
             # No request counted in flight while the learner tracks some: the per-backend
             # counts are not known (a replay: recordings hold no traffic events).
@@ -153,7 +164,7 @@ def _attempt(
     )
     if predicting:
         # Learning without enforcing (DYNAMIC_PIG_ENFORCE=false) predicts but never refuses.
-        step, prediction = _predictive_attempt(state, event)
+        step, prediction = _predictive_attempt(state, event, tracked)
     else:
         step = gate_rules.apply(state.gate, event)
     flow = state.flow
@@ -166,6 +177,7 @@ def _attempt(
                 tracked.tenant,
                 limit=limit,
                 inflight=state.gate.inflight,
+                at=event.at,
             )
             if code is not None:
                 step = gate_rules.refuse(state.gate, event, code)
@@ -265,7 +277,7 @@ def _finish(
     gate = gate_rules.apply(state.gate, gate_rules.SlotReleased(at, tracked.tier)).state
     if state.flow is not None:
         flow = flow_rules.finished(
-            state.flow, tracked.band, tracked.tenant, output_tokens=output_tokens
+            state.flow, tracked.band, tracked.tenant, output_tokens=output_tokens, at=at
         )
         state = replace(state, flow=flow)
     if not tracked.forwarded:

@@ -57,7 +57,7 @@ from guard_core import (
     current_limit,
     next_check_at,
 )
-from guard_core.flow import retry_order
+from guard_core.flow import RETRY_PASSES, retry_has_room, retry_order
 from guard_core.guard import refuses_at_once
 from guard_core.health import HealthEvent
 from guard_core.traffic import TrafficEvent
@@ -185,11 +185,12 @@ class GuardEngine:
             self._retry_in_order()
 
     def _retry_in_order(self) -> None:
-        """Flow control: retry every waiter now, in the core's fair order (higher bands first,
-        then the tenant furthest below its share), again while any wait ends, and wake the
-        ones that ended; room the gate does not count in slots goes to the fairest that fits."""
-        ended = True
-        while ended and self._ranked:
+        """Flow control: retry the waiters now, in the core's fair order (higher bands first,
+        then the tenant furthest below its share), once more when a wait ended, and wake the
+        ones that ended; room the gate does not count in slots goes to the fairest that fits.
+        A pass stops once no retry can be admitted (``retry_has_room``): at most
+        ``RETRY_PASSES`` retries per waiter on one wake-up."""
+        for _ in range(RETRY_PASSES):
             ended = False
             state = self.state
             flow = state.flow
@@ -197,6 +198,8 @@ class GuardEngine:
             limit = current_limit(state.gate)[0]
             order = retry_order(flow, state.requests, limit=limit, inflight=state.gate.inflight)
             for request_id in order:
+                if not retry_has_room(self.state.gate):
+                    break
                 entry = self._ranked.get(request_id)
                 if entry is None:
                     continue
@@ -205,6 +208,8 @@ class GuardEngine:
                     del self._ranked[request_id]
                     woken.set()
                     ended = True
+            if not (ended and self._ranked):
+                return
 
     # -- admission -----------------------------------------------------------------------------
 
