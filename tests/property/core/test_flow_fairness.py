@@ -176,8 +176,11 @@ def test_a_saturated_band_is_shared_fairly(
             # spare, at most the spare is, and only while every tenant waiting is ahead.
             assert free <= keep, "a slot beyond the spare is free while someone waits"
             if free:
-                table = driver.state.flow.table  # type: ignore[union-attr]
-                tenants = driver.state.config.flow.tenants  # type: ignore[union-attr]
+                flow = driver.state.flow
+                assert flow is not None
+                tenants = flow.config.tenants
+                assert tenants is not None
+                table = flow.table
                 for tenant in names:
                     if waiting[tenant]:
                         assert tenant_rules.ahead(table, tenants, 0, tenant, slots=cap, at=at)
