@@ -10,12 +10,12 @@ Policies:
 - :class:`Guard` is ``guard_core`` itself, driven by the live engine's request events: every
   arrival is ``Arrived``; a ``Queued`` request is ``Retried`` after every slot release and
   every poll and at :func:`~guard_core.next_check_at` (with flow control, in the core's fair
-  order, :func:`~guard_core.flow.retry_order`, and again while any wait ends, as the live
-  engine does); an admitted request is ``Forwarded``
-  and ``Finished`` when the engine ends it (the core gives its slot back and ends its prefill
-  grace in that one step); its ``FirstToken`` carries the seconds since it reached the guard;
-  every ``poll_interval_s`` the engine's metrics become a ``BackendSample`` and a
-  ``MetricsPolled``.
+  order, :func:`~guard_core.flow.retry_order`, once more when a wait ended, stopping a pass
+  once no slot is free, as the live engine does); an admitted request is ``Forwarded`` and
+  ``Finished`` (with the output tokens it generated) when the engine ends it (the core gives
+  its slot back and ends its prefill grace in that one step); its ``FirstToken`` carries the
+  seconds since it reached the guard; every ``poll_interval_s`` the engine's metrics become a
+  ``BackendSample`` and a ``MetricsPolled``.
 
 Guarantees:
 - every trace request ends up exactly once as admitted or rejected, and every admitted one runs

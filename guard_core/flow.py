@@ -14,6 +14,9 @@ Guarantees:
 - with no tenant header configured, every request is one tenant and only the band rules
   apply; with :data:`~guard_core.bands.PIG_BANDS`, the band rules refuse exactly what PIG's
   tier rule refuses;
+- with tenants, :func:`refusal` adds the tenant rules of :mod:`guard_core.tenants` (fair
+  order, the spare), and :func:`spare_reserve` gives a learner that predicts the room a tenant
+  ahead must leave; a finished request's output tokens add to its tenant's attained service;
 - :func:`retry_order` ranks the waiters as :func:`refusal` does (band, then tenant, then
   arrival), for a runtime to retry them in: the short wait served in fair order; a runtime
   makes at most :data:`RETRY_PASSES` passes over that order per wake-up and stops a pass once

@@ -13,15 +13,23 @@ Guarantees:
   share among the band's active tenants: those holding or awaiting a slot), then attained
   service per weight, then the earliest last admission, then the key: a tenant is refused a
   free slot only when the tenants ranked before it would take every free slot before its
-  rank comes (each slot a tenant takes moves it one slot up; only its waiting requests count),
-  so a free slot is never left to nobody (work-conserving), and a tenant below its weighted fair
-  share is never passed over for one above it;
+  rank comes (each slot a tenant takes moves it one slot up; only its waiting requests count,
+  and not those the spare keeps out), so a tenant below its weighted fair share is never
+  passed over for one above it;
+- the spare (:func:`spare_refusal`): a tenant *ahead* (:func:`ahead`: holding at least its
+  slot share, and recent service per weight over ``1 + ahead_margin`` times the band's) takes a
+  free slot only while more than :func:`spare_slots` are free; no other tenant is ever refused
+  by it. So a free slot is left to nobody only while no more than the spare is free and every
+  waiter is ahead; with ``spare`` 0 (or a band too small for one whole spare slot) never
+  (work-conserving);
 - attained service is read clamped to ``[floor, floor + max_lag]`` where ``floor`` is the least
   service among the band's active tenants: a newcomer cannot starve the others by its empty
   history, and a tenant that was served much in the past is passed over for at most
   ``max_lag`` units of service by the others (the starvation bound; the short wait's 0.5 s cap
-  still ends every wait);
-- nothing here reads a clock: ``at`` comes with each call and only orders entries by recency.
+  still ends every wait); recent service is the same costs fading by ``e`` every
+  ``recent_s``, computed from the events' ``at`` alone;
+- nothing here reads a clock: ``at`` comes with each call and only orders entries by recency
+  and decays recent service.
 """
 
 from __future__ import annotations

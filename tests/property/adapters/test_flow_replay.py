@@ -6,7 +6,9 @@ as ``Refused``); every event applied is written as a recording line, read back, 
 by :func:`guard_adapters.replay.replay` under the same settings: no outcome differs, and the
 admitted and refused counts are the live ones. Replayed under PIG's settings instead (no flow
 control), the same recording still reads and replays (the labels are ignored). Ends carry an
-output token count or none; a line without one reads as it always did.
+output token count or none; a line without one reads as it always did. The spare is set high
+(half the band) so that its refusals, which read the recent service decayed to each event's
+``at``, are in the recording too.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ def _config(flow: bool) -> GuardConfig:
     return GuardConfig(
         gate=core.GateConfig(global_limit=6, dynamic=False, queue_wait_s=0.5),
         learning=False,
-        flow=FlowConfig(bands=BANDS, tenants=TenantConfig(weights={"a": 2.0})) if flow else None,
+        flow=FlowConfig(bands=BANDS, tenants=TenantConfig(weights={"a": 2.0}, spare=0.5))
+        if flow
+        else None,
     )
 
 
