@@ -35,7 +35,7 @@ from cattrs.strategies import configure_tagged_union
 
 from guard_adapters import recording_v1
 from guard_adapters._errors import LineError
-from guard_core import Arrived, Refused, RequestEvent
+from guard_core import Arrived, Finished, Refused, RequestEvent
 
 __all__ = (
     "FORMAT",
@@ -179,9 +179,11 @@ def _omit_unset(cls: type, *names: str) -> None:
 
 # Optional fields are written only when set: a refusal under PIG's learner has no predicted
 # Retry-After, a decision no explanation, an arrival replayed from an old recording no id, and
-# an arrival without flow control no band or tenant (so such a line reads as it always did).
+# an arrival without flow control no band or tenant, an end no output token count (so such a
+# line reads as it always did).
 _omit_unset(Refused, "retry_after_s", "binding")
 _omit_unset(Arrived, "trace_id", "band", "tenant")
+_omit_unset(Finished, "output_tokens")
 _omit_unset(Decision, "predicted")
 configure_tagged_union(Record, _converter, tag_generator=_KIND_OF.__getitem__, tag_name="kind")
 

@@ -10,12 +10,12 @@ Policies:
 - :class:`Guard` is ``guard_core`` itself, driven by the live engine's request events: every
   arrival is ``Arrived``; a ``Queued`` request is ``Retried`` after every slot release and
   every poll and at :func:`~guard_core.next_check_at` (with flow control, in the core's fair
-  order, :func:`~guard_core.flow.retry_order`, and again while any wait ends, as the live
-  engine does); an admitted request is ``Forwarded``
-  and ``Finished`` when the engine ends it (the core gives its slot back and ends its prefill
-  grace in that one step); its ``FirstToken`` carries the seconds since it reached the guard;
-  every ``poll_interval_s`` the engine's metrics become a ``BackendSample`` and a
-  ``MetricsPolled``.
+  order, :func:`~guard_core.flow.retry_order`, once more when a wait ended, stopping a pass
+  once no slot is free, as the live engine does); an admitted request is ``Forwarded`` and
+  ``Finished`` (with the output tokens it generated) when the engine ends it (the core gives
+  its slot back and ends its prefill grace in that one step); its ``FirstToken`` carries the
+  seconds since it reached the guard; every ``poll_interval_s`` the engine's metrics become a
+  ``BackendSample`` and a ``MetricsPolled``.
 
 Guarantees:
 - every trace request ends up exactly once as admitted or rejected, and every admitted one runs
@@ -122,7 +122,7 @@ from guard_core import (
     current_limit,
     next_check_at,
 )
-from guard_core.flow import retry_order
+from guard_core.flow import RETRY_PASSES, retry_has_room, retry_order
 from guard_core.traffic import BackendFinished, BackendForwarded
 
 __all__ = (
@@ -450,7 +450,8 @@ class _Run:
         if len(self.names) > 1 and req.backend is not None:
             ended = BackendFinished(at=at, backend=self.names[req.backend])
             self.guard = apply_guard_event(self.guard, ended).state
-        self.guard = apply_guard_event(self.guard, Finished(at=at, request_id=req.rid)).state
+        done = Finished(at=at, request_id=req.rid, output_tokens=req.tokens)
+        self.guard = apply_guard_event(self.guard, done).state
         if self.waiters:
             self._retry(at, everyone=True)
 
@@ -486,19 +487,22 @@ class _Run:
             req.reject_code = "static_limit"
 
     def _retry(self, at: float, *, everyone: bool) -> None:
-        while True:
+        for _ in range(RETRY_PASSES):
             ended = False
             for rid in self._retry_order():
                 entry = self.waiters.get(rid)
                 if entry is None or (not everyone and entry[1] > at):
                     continue
                 assert self.guard is not None
+                if self.flow and entry[1] > at and not retry_has_room(self.guard.gate):
+                    continue  # no retry can be admitted: only the waits that end now
                 step = apply_guard_event(self.guard, Retried(at=at, request_id=rid))
                 self.guard = step.state
                 self._settle(self.reqs[rid], step.outcome, at)
                 ended = ended or not isinstance(step.outcome, Queued)
             # Flow control ranks waiters: as the live engine does, a wait that ended (a slot
-            # taken or given up) wakes the others again, since one passed over may be next now.
+            # taken or given up) wakes the others again, since one passed over may be next now,
+            # once (``RETRY_PASSES``).
             if not (ended and self.waiters and self.flow):
                 return
             everyone = True

@@ -104,6 +104,9 @@ class Finished(_Event):
     left, 0: unknown)."""
 
     status: int = 0
+    #: The output tokens it delivered, when the runtime counted them (``None``: unknown); tenant
+    #: fairness counts them in the tenant's attained service. Older recordings replay as unknown.
+    output_tokens: int | None = None
 
 
 RequestEvent = Arrived | Retried | Abandoned | Forwarded | Refused | FirstToken | Finished

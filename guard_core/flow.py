@@ -14,8 +14,14 @@ Guarantees:
 - with no tenant header configured, every request is one tenant and only the band rules
   apply; with :data:`~guard_core.bands.PIG_BANDS`, the band rules refuse exactly what PIG's
   tier rule refuses;
+- with tenants, :func:`refusal` adds the tenant rules of :mod:`guard_core.tenants` (fair
+  order, the spare), and :func:`spare_reserve` gives a learner that predicts the room a tenant
+  ahead must leave; a finished request's output tokens add to its tenant's attained service;
 - :func:`retry_order` ranks the waiters as :func:`refusal` does (band, then tenant, then
-  arrival), for a runtime to retry them in: the short wait served in fair order.
+  arrival), for a runtime to retry them in: the short wait served in fair order; a runtime
+  makes at most :data:`RETRY_PASSES` passes over that order per wake-up and stops a pass once
+  :func:`retry_has_room` is false, since no retry can then be admitted: a wake-up costs at most
+  ``RETRY_PASSES`` retries per waiter, not one pass per wait that ended.
 """
 
 from __future__ import annotations
@@ -29,20 +35,24 @@ from guard_core import tenants as tenant_rules
 from guard_core._values import replace
 from guard_core.bands import PIG_BANDS, BandSpec, band_refusal, headroom
 from guard_core.decision import RejectCode
+from guard_core.gate import GateState, current_limit
 from guard_core.tenants import TenantConfig, TenantTable
 
 if TYPE_CHECKING:
     from guard_core.requests import Tracked
 
 __all__ = (
+    "RETRY_PASSES",
     "FlowConfig",
     "FlowState",
     "abandoned",
     "arrived",
     "finished",
     "refusal",
+    "retry_has_room",
     "retry_order",
     "settled",
+    "spare_reserve",
 )
 
 
@@ -93,9 +103,10 @@ def refusal(
     *,
     limit: int,
     inflight: int,
+    at: float,
 ) -> RejectCode | None:
     """Why a request of ``band`` and ``tenant`` may not take the slot the gate would give it
-    under cap ``limit`` with ``inflight`` admitted, or ``None``."""
+    under cap ``limit`` with ``inflight`` admitted at ``at``, or ``None``."""
     spec = flow.config.bands
     code = band_refusal(spec, band, limit=limit, inflight=inflight, waiting=flow.waiting)
     if code is not None:
@@ -105,9 +116,28 @@ def refusal(
         return None
     free = max(1, limit - headroom(spec, band, limit) - inflight)
     slots = flow.inflight[band] + free
-    if tenant_rules.tenant_refusal(flow.table, tenants, band, tenant, slots=slots, free=free):
+    table = flow.table
+    if tenant_rules.tenant_refusal(table, tenants, band, tenant, slots=slots, free=free, at=at):
+        return RejectCode.TIER_PRIORITY
+    if tenant_rules.spare_refusal(table, tenants, band, tenant, slots=slots, free=free, at=at):
         return RejectCode.TIER_PRIORITY
     return None
+
+
+def spare_reserve(
+    flow: FlowState, band: int, tenant: str, *, limit: int, inflight: int, at: float
+) -> int:
+    """The band's spare slots when ``tenant`` is ahead of its band, else 0: the room a learner
+    that predicts (rather than counts slots) keeps free of it for the others."""
+    tenants = flow.config.tenants
+    if tenants is None:
+        return 0
+    free = max(1, limit - headroom(flow.config.bands, band, limit) - inflight)
+    slots = flow.inflight[band] + free
+    keep = tenant_rules.spare_slots(tenants, slots)
+    if keep <= 0 or not tenant_rules.ahead(flow.table, tenants, band, tenant, slots=slots, at=at):
+        return 0
+    return keep
 
 
 def settled(
@@ -153,11 +183,15 @@ def abandoned(flow: FlowState, band: int, tenant: str) -> FlowState:
     return replace(flow, waiting=_bump(flow.waiting, band, -1), table=table)
 
 
-def finished(flow: FlowState, band: int, tenant: str) -> FlowState:
-    """An admitted request gave its slot back."""
+def finished(
+    flow: FlowState, band: int, tenant: str, *, output_tokens: int | None = None, at: float
+) -> FlowState:
+    """An admitted request gave its slot back, having delivered ``output_tokens`` (if known)."""
     table = flow.table
-    if flow.config.tenants is not None:
-        table = tenant_rules.released(table, band, tenant)
+    tenants = flow.config.tenants
+    if tenants is not None:
+        cost = tenants.output_cost(output_tokens)
+        table = tenant_rules.released(table, tenants, band, tenant, cost=cost, at=at)
     return replace(flow, inflight=_bump(flow.inflight, band, -1), table=table)
 
 
@@ -186,3 +220,18 @@ def retry_order(
 
 
 _NO_RANK = (0.0, 0.0, 0.0, "")
+
+#: The most passes over :func:`retry_order` a runtime makes on one wake-up: the second lets a
+#: waiter passed over for one ranked before it take the slot that one left (its wait ended
+#: without it); further passes rarely admit anyone and cost a pass each.
+RETRY_PASSES = 2
+
+
+def retry_has_room(gate: GateState) -> bool:
+    """Whether a retry now could still be admitted: false while the gate is open and every
+    slot of its cap (and of ``GLOBAL_LIMIT``) is held. A waiter not retried then keeps its wait,
+    and its own timer (its fallback re-check, its deadline) still ends it."""
+    limit, closed = current_limit(gate)
+    if closed is not None:
+        return True  # a closed gate refuses each waiter at once: let the retries end them
+    return gate.inflight < min(limit, gate.config.global_limit)

@@ -99,9 +99,11 @@ def _waited(
 
 
 def _predictive_attempt(
-    state: GuardState, event: gate_rules.SlotRequested | gate_rules.WaitRetried
+    state: GuardState, event: gate_rules.SlotRequested | gate_rules.WaitRetried, tracked: Tracked
 ) -> tuple[gate_rules.GateStep, Prediction | None]:
-    """The gate's counts first; what they admit must also pass the learner's predictions."""
+    """The gate's counts first; what they admit must also pass the learner's predictions (a
+    tenant ahead of its band must also leave room for the band's spare, ``PIG_TENANT_SPARE``,
+    as that many more decoders)."""
     predictive = state.predictive
     assert predictive is not None
     gate = state.gate
@@ -114,6 +116,15 @@ def _predictive_attempt(
         reserve = 0
         if tier is Tier.BASIC:
             reserve = max(0, premium_reserved(limit, gate.premium_inflight) - gate.premium_inflight)
+        if state.flow is not None:
+            reserve += flow_rules.spare_reserve(
+                state.flow,
+                tracked.band,
+                tracked.tenant,
+                limit=limit,
+                inflight=gate.inflight,
+                at=event.at,
+            )
         if is_pool(predictive):
             # No request counted in flight while the learner tracks some: the per-backend
             # counts are not known (a replay: recordings hold no traffic events).
@@ -153,7 +164,7 @@ def _attempt(
     )
     if predicting:
         # Learning without enforcing (DYNAMIC_PIG_ENFORCE=false) predicts but never refuses.
-        step, prediction = _predictive_attempt(state, event)
+        step, prediction = _predictive_attempt(state, event, tracked)
     else:
         step = gate_rules.apply(state.gate, event)
     flow = state.flow
@@ -166,6 +177,7 @@ def _attempt(
                 tracked.tenant,
                 limit=limit,
                 inflight=state.gate.inflight,
+                at=event.at,
             )
             if code is not None:
                 step = gate_rules.refuse(state.gate, event, code)
@@ -254,11 +266,19 @@ def _forward(state: GuardState, request_id: int, tracked: Tracked, at: float) ->
     return _with(state, request_id, forwarded, learner=learner, predictive=predictive)
 
 
-def _finish(state: GuardState, request_id: int, tracked: Tracked, at: float) -> GuardState:
+def _finish(
+    state: GuardState,
+    request_id: int,
+    tracked: Tracked,
+    at: float,
+    output_tokens: int | None = None,
+) -> GuardState:
     """The slot goes back and, for a forwarded request, its prefill grace ends: one step."""
     gate = gate_rules.apply(state.gate, gate_rules.SlotReleased(at, tracked.tier)).state
     if state.flow is not None:
-        flow = flow_rules.finished(state.flow, tracked.band, tracked.tenant)
+        flow = flow_rules.finished(
+            state.flow, tracked.band, tracked.tenant, output_tokens=output_tokens, at=at
+        )
         state = replace(state, flow=flow)
     if not tracked.forwarded:
         return _with(state, request_id, None, gate=gate)
@@ -329,7 +349,7 @@ def apply(state: GuardState, event: RequestEvent) -> _Step:
             return state, None  # it never ran
         if isinstance(event, FirstToken):
             return _first_token(state, event), None
-        return _finish(state, request_id, tracked, event.at), None
+        return _finish(state, request_id, tracked, event.at, event.output_tokens), None
     # Forwarded or Refused: the runtime ended the attempt; a wait this state still has ends too.
     state, outcome = _end_wait(state, request_id, tracked, event.at)
     held = state.requests.get(request_id)

@@ -2,7 +2,8 @@
 
 Reads: the trusted tenant key of each request (``PIG_TENANT_HEADER``), the weights
 (``PIG_TENANT_WEIGHTS``), and per (band, tenant) the slots held, the requests waiting and the
-service attained (requests, plus prompt tokens in units of ``token_unit``).
+service attained (requests, plus prompt tokens and ``output_weight`` times the output tokens
+delivered, in units of ``token_unit``).
 Guarantees:
 - the table holds at most ``max_tenants`` entries; a new tenant takes the place of the least
   recently seen entry that holds and awaits nothing, and when every entry is busy it is counted
@@ -12,15 +13,23 @@ Guarantees:
   share among the band's active tenants: those holding or awaiting a slot), then attained
   service per weight, then the earliest last admission, then the key: a tenant is refused a
   free slot only when the tenants ranked before it would take every free slot before its
-  rank comes (each slot a tenant takes moves it one slot up; only its waiting requests count),
-  so a free slot is never left to nobody (work-conserving), and a tenant below its weighted fair
-  share is never passed over for one above it;
+  rank comes (each slot a tenant takes moves it one slot up; only its waiting requests count,
+  and not those the spare keeps out), so a tenant below its weighted fair share is never
+  passed over for one above it;
+- the spare (:func:`spare_refusal`): a tenant *ahead* (:func:`ahead`: holding at least its
+  slot share, and recent service per weight over ``1 + ahead_margin`` times the band's) takes a
+  free slot only while more than :func:`spare_slots` are free; no other tenant is ever refused
+  by it. So a free slot is left to nobody only while no more than the spare is free and every
+  waiter is ahead; with ``spare`` 0 (or a band too small for one whole spare slot) never
+  (work-conserving);
 - attained service is read clamped to ``[floor, floor + max_lag]`` where ``floor`` is the least
   service among the band's active tenants: a newcomer cannot starve the others by its empty
   history, and a tenant that was served much in the past is passed over for at most
   ``max_lag`` units of service by the others (the starvation bound; the short wait's 0.5 s cap
-  still ends every wait);
-- nothing here reads a clock: ``at`` comes with each call and only orders entries by recency.
+  still ends every wait); recent service is the same costs fading by ``e`` every
+  ``recent_s``, computed from the events' ``at`` alone;
+- nothing here reads a clock: ``at`` comes with each call and only orders entries by recency
+  and decays recent service.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 
 from guard_core._errors import PolicyConfigError
-from guard_core.settings import AtLeast, Greater, require_valid, setting
+from guard_core.settings import AtLeast, Greater, Within, require_valid, setting
 
 __all__ = (
     "OTHER",
@@ -39,6 +48,7 @@ __all__ = (
     "TenantStats",
     "TenantTable",
     "admitted",
+    "ahead",
     "fair_share",
     "left_queue",
     "queued",
@@ -46,6 +56,7 @@ __all__ = (
     "ranks",
     "released",
     "resolve",
+    "spare_refusal",
     "tenant_refusal",
 )
 
@@ -84,6 +95,17 @@ class TenantConfig:
     #: ``PIG_TENANT_MAX_LAG``: the most service (in requests) a tenant's history may count
     #: against it over the least-served active tenant of its band.
     max_lag: float = setting(8.0, env="PIG_TENANT_MAX_LAG", rules=(AtLeast(0),))
+    #: ``PIG_TENANT_OUTPUT_WEIGHT``: what one output token counts for against one prompt token
+    #: (decoding a token costs the engine more than prefilling one; 0: output not counted).
+    output_weight: float = setting(2.0, env="PIG_TENANT_OUTPUT_WEIGHT", rules=(AtLeast(0),))
+    #: ``PIG_TENANT_RECENT_SECONDS``: how fast recent service fades (by ``e`` in this long).
+    recent_s: float = setting(60.0, env="PIG_TENANT_RECENT_SECONDS", rules=(Greater(0),))
+    #: ``PIG_TENANT_AHEAD_MARGIN``: a tenant is *ahead* when its recent service per weight is
+    #: more than ``1 + margin`` times its band's.
+    ahead_margin: float = setting(0.25, env="PIG_TENANT_AHEAD_MARGIN", rules=(AtLeast(0),))
+    #: ``PIG_TENANT_SPARE``: the share of a band's slots a tenant ahead may not take: it gets a
+    #: free slot only while more than that many are free, so the others find room (0: off).
+    spare: float = setting(0.1, env="PIG_TENANT_SPARE", rules=(Within(0, 1),))
 
     def __attrs_post_init__(self) -> None:
         require_valid(self)
@@ -99,6 +121,10 @@ class TenantConfig:
         tokens = max(0, body_bytes or 0) / _BYTES_PER_TOKEN
         return 1.0 + tokens / self.token_unit
 
+    def output_cost(self, output_tokens: int | None) -> float:
+        """The service a finished request's ``output_tokens`` add (0 when not counted)."""
+        return self.output_weight * max(0, output_tokens or 0) / self.token_unit
+
 
 @attrs.frozen
 class TenantStats:
@@ -109,6 +135,15 @@ class TenantStats:
     service: float = 0.0
     served_at: float = -math.inf
     seen_at: float = -math.inf
+    #: Service attained lately: each cost decays by ``e`` every ``recent_s``, as of ``recent_at``.
+    recent: float = 0.0
+    recent_at: float = -math.inf
+
+    def recent_as_of(self, at: float, window_s: float) -> float:
+        """The recent service, decayed to ``at``."""
+        if self.recent <= 0 or at <= self.recent_at:
+            return self.recent
+        return self.recent * math.exp((self.recent_at - at) / window_s)
 
     @property
     def active(self) -> bool:
@@ -164,8 +199,26 @@ def left_queue(table: TenantTable, band: int, tenant: str) -> TenantTable:
     return _change(table, band, tenant, waiting=-1)
 
 
-def released(table: TenantTable, band: int, tenant: str) -> TenantTable:
-    return _change(table, band, tenant, inflight=-1)
+def released(
+    table: TenantTable,
+    config: TenantConfig,
+    band: int,
+    tenant: str,
+    *,
+    cost: float = 0.0,
+    at: float,
+) -> TenantTable:
+    """``tenant`` gave a slot back at ``at``; its output (``cost``,
+    :meth:`TenantConfig.output_cost`) adds to its attained service."""
+    stats = table.entries.get((band, tenant), TenantStats())
+    changed = attrs.evolve(
+        stats,
+        inflight=stats.inflight - 1,
+        service=stats.service + cost,
+        recent=stats.recent_as_of(at, config.recent_s) + cost,
+        recent_at=max(at, stats.recent_at),
+    )
+    return _put(table, (band, tenant), changed)
 
 
 def admitted(
@@ -191,6 +244,8 @@ def admitted(
             waiting=stats.waiting - (1 if was_waiting else 0),
             service=service,
             served_at=at,
+            recent=stats.recent_as_of(at, config.recent_s) + cost,
+            recent_at=at,
         ),
     )
 
@@ -236,15 +291,89 @@ def fair_share(
     return slots * weights[tenant] / sum(weights.values())
 
 
+def _level(table: TenantTable, config: TenantConfig, band: int, tenant: str, *, at: float) -> float:
+    """The band's recent service per unit of weight, over its active tenants and ``tenant``."""
+    total = weights = 0.0
+    counted = False
+    for (b, t), stats in table.entries.items():
+        if b != band or not (stats.active or t == tenant):
+            continue
+        total += stats.recent_as_of(at, config.recent_s)
+        weights += config.weight(t)
+        counted = counted or t == tenant
+    if not counted:
+        weights += config.weight(tenant)
+    return total / weights
+
+
+def _is_ahead(
+    stats: TenantStats,
+    config: TenantConfig,
+    tenant: str,
+    *,
+    level: float,
+    share: float,
+    at: float,
+) -> bool:
+    if level <= 0 or stats.inflight < share - _EPSILON:
+        return False
+    recent = stats.recent_as_of(at, config.recent_s)
+    return recent / config.weight(tenant) > (1 + config.ahead_margin) * level
+
+
+def ahead(
+    table: TenantTable, config: TenantConfig, band: int, tenant: str, *, slots: int, at: float
+) -> bool:
+    """``tenant`` holds at least its weighted fair share of the band's ``slots`` and its recent
+    service per weight is more than ``1 + ahead_margin`` times its band's (the recent service
+    of the band's active tenants and itself, per unit of their weights)."""
+    level = _level(table, config, band, tenant, at=at)
+    stats = table.entries.get((band, tenant), TenantStats())
+    share = fair_share(table, config, band, tenant, slots)
+    return _is_ahead(stats, config, tenant, level=level, share=share, at=at)
+
+
+def spare_slots(config: TenantConfig, slots: int) -> int:
+    """The slots of a band of ``slots`` that a tenant ahead may not take: ``spare`` of them,
+    rounded down."""
+    return math.floor(config.spare * slots + _EPSILON)
+
+
+def spare_refusal(
+    table: TenantTable,
+    config: TenantConfig,
+    band: int,
+    tenant: str,
+    *,
+    slots: int,
+    free: int,
+    at: float,
+) -> bool:
+    """True when ``tenant`` is ahead (:func:`ahead`) and the band's ``free`` slots (of the
+    ``slots`` it could hold) are no more than its spare (:func:`spare_slots`)."""
+    keep = spare_slots(config, slots)
+    return keep > 0 and free <= keep and ahead(table, config, band, tenant, slots=slots, at=at)
+
+
 def tenant_refusal(
-    table: TenantTable, config: TenantConfig, band: int, tenant: str, *, slots: int, free: int
+    table: TenantTable,
+    config: TenantConfig,
+    band: int,
+    tenant: str,
+    *,
+    slots: int,
+    free: int,
+    at: float,
 ) -> bool:
     """True when ``tenant`` must leave the band's ``free`` slots (of the ``slots`` it could
-    hold in all) to better-ranked waiters."""
+    hold in all) to better-ranked waiters that may take them now (a waiter the spare keeps
+    from a slot, :func:`spare_refusal`, does not count)."""
     entries = table.entries
     actives = [(t, s) for (b, t), s in entries.items() if b == band and s.active]
     if not any(t != tenant and s.waiting > 0 for t, s in actives):
         return False  # nobody else waits: an idle share is lent to whoever asks
+    keep = spare_slots(config, slots)
+    level = _level(table, config, band, tenant, at=at) if 0 < free <= keep else 0.0
     weights = _weights_of(table, config, band, tenant)
     per_weight = slots / sum(weights.values())
     mine = entries.get((band, tenant), TenantStats())
@@ -257,7 +386,10 @@ def tenant_refusal(
         if other == tenant or stats.waiting <= 0:
             continue
         weight = weights[other]
-        theirs = rank(stats, weight, other, share=per_weight * weight, floor=floor, max_lag=lag)
+        share = per_weight * weight
+        if level > 0 and _is_ahead(stats, config, other, level=level, share=share, at=at):
+            continue  # the spare keeps it from the free slots
+        theirs = rank(stats, weight, other, share=share, floor=floor, max_lag=lag)
         before += min(stats.waiting, _ahead(theirs, own))
         if before >= free:
             return True

@@ -57,7 +57,7 @@ from guard_core import (
     current_limit,
     next_check_at,
 )
-from guard_core.flow import retry_order
+from guard_core.flow import RETRY_PASSES, retry_has_room, retry_order
 from guard_core.guard import refuses_at_once
 from guard_core.health import HealthEvent
 from guard_core.traffic import TrafficEvent
@@ -91,13 +91,18 @@ class Slot:
             # A prefill ended: the predictive learner may have room again for a waiter.
             self.engine._notify()
 
-    def release(self, status: int = 0) -> None:
+    def release(self, status: int = 0, output_tokens: int | None = None) -> None:
+        """Give the slot back; ``output_tokens``: what the response delivered, when counted
+        (tenant fairness counts it in attained service)."""
         if self.released:
             return
         self.released = True
         engine = self.engine
         # One event: the core gives the slot back and ends the prefill grace in one step.
-        engine._apply(Finished(at=engine._at(), request_id=self.request_id, status=status))
+        ended = Finished(
+            at=engine._at(), request_id=self.request_id, status=status, output_tokens=output_tokens
+        )
+        engine._apply(ended)
         engine._notify()
 
 
@@ -180,11 +185,12 @@ class GuardEngine:
             self._retry_in_order()
 
     def _retry_in_order(self) -> None:
-        """Flow control: retry every waiter now, in the core's fair order (higher bands first,
-        then the tenant furthest below its share), again while any wait ends, and wake the
-        ones that ended; room the gate does not count in slots goes to the fairest that fits."""
-        ended = True
-        while ended and self._ranked:
+        """Flow control: retry the waiters now, in the core's fair order (higher bands first,
+        then the tenant furthest below its share), once more when a wait ended, and wake the
+        ones that ended; room the gate does not count in slots goes to the fairest that fits.
+        A pass stops once no retry can be admitted (``retry_has_room``): at most
+        ``RETRY_PASSES`` retries per waiter on one wake-up."""
+        for _ in range(RETRY_PASSES):
             ended = False
             state = self.state
             flow = state.flow
@@ -192,6 +198,8 @@ class GuardEngine:
             limit = current_limit(state.gate)[0]
             order = retry_order(flow, state.requests, limit=limit, inflight=state.gate.inflight)
             for request_id in order:
+                if not retry_has_room(self.state.gate):
+                    break
                 entry = self._ranked.get(request_id)
                 if entry is None:
                     continue
@@ -200,6 +208,8 @@ class GuardEngine:
                     del self._ranked[request_id]
                     woken.set()
                     ended = True
+            if not (ended and self._ranked):
+                return
 
     # -- admission -----------------------------------------------------------------------------
 

@@ -5,7 +5,10 @@ configured, as the engine drives it (arrivals, ordered retries, forwarding, ends
 as ``Refused``); every event applied is written as a recording line, read back, and replayed
 by :func:`guard_adapters.replay.replay` under the same settings: no outcome differs, and the
 admitted and refused counts are the live ones. Replayed under PIG's settings instead (no flow
-control), the same recording still reads and replays (the labels are ignored).
+control), the same recording still reads and replays (the labels are ignored). Ends carry an
+output token count or none; a line without one reads as it always did. The spare is set high
+(half the band) so that its refusals, which read the recent service decayed to each event's
+``at``, are in the recording too.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ def _config(flow: bool) -> GuardConfig:
     return GuardConfig(
         gate=core.GateConfig(global_limit=6, dynamic=False, queue_wait_s=0.5),
         learning=False,
-        flow=FlowConfig(bands=BANDS, tenants=TenantConfig(weights={"a": 2.0})) if flow else None,
+        flow=FlowConfig(bands=BANDS, tenants=TenantConfig(weights={"a": 2.0}, spare=0.5))
+        if flow
+        else None,
     )
 
 
@@ -65,7 +70,10 @@ def _drive(seed: int, steps: int) -> tuple[list[RequestEvent], int, int]:
     for _ in range(steps):
         at += rng.choice([0.0, 0.01, 0.05, 0.3])
         if held and rng.random() < 0.4:
-            apply(Finished(at=at, request_id=held.pop(rng.randrange(len(held)))))
+            # Some ends carry the output tokens the runtime counted (attained service), some not.
+            tokens = rng.choice([None, 0, 40, 3000])
+            rid = held.pop(rng.randrange(len(held)))
+            apply(Finished(at=at, request_id=rid, output_tokens=tokens))
         else:
             band, tenant = rng.choice(["gold", "std", "bulk", "?"]), rng.choice("abcd")
             event = Arrived(
@@ -94,3 +102,14 @@ def test_a_flow_recording_replays_to_the_same_admissions(seed: int, steps: int) 
     assert result.admitted == admitted
     # Without flow control the labels are ignored: the recording still replays.
     replay(records, _config(False))
+
+
+def test_an_end_without_an_output_count_is_written_as_before() -> None:
+    """``output_tokens`` is written only when counted: an older end line reads unchanged."""
+    assert b"output_tokens" not in encode(Finished(at=1.0, request_id=3, status=200))
+    line = encode(Finished(at=1.0, request_id=3, status=200, output_tokens=17))
+    assert decode_line(line, line_no=2) == Finished(
+        at=1.0, request_id=3, status=200, output_tokens=17
+    )
+    old = b'{"kind":"finished","at":1.0,"request_id":3,"status":200}'
+    assert decode_line(old, line_no=2) == Finished(at=1.0, request_id=3, status=200)
