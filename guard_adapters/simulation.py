@@ -10,7 +10,7 @@ Policies:
 - :class:`Guard` is ``guard_core`` itself, driven by the live engine's request events: every
   arrival is ``Arrived``; a ``Queued`` request is ``Retried`` after every slot release and
   every poll and at :func:`~guard_core.next_check_at` (with flow control, in the core's fair
-  order, :func:`~guard_core.flow.retry_order`, once more when a wait ended, stopping a pass
+  order, :func:`~guard_core.flow.waiters_in_order`, once more when a wait ended, stopping a pass
   once no slot is free, as the live engine does); an admitted request is ``Forwarded`` and
   ``Finished`` (with the output tokens it generated) when the engine ends it (the core gives
   its slot back and ends its prefill grace in that one step); its ``FirstToken`` carries the
@@ -122,7 +122,7 @@ from guard_core import (
     current_limit,
     next_check_at,
 )
-from guard_core.flow import RETRY_PASSES, retry_has_room, retry_order
+from guard_core.flow import RETRY_PASSES, retry_has_room, waiters_in_order
 from guard_core.traffic import BackendFinished, BackendForwarded
 
 __all__ = (
@@ -512,8 +512,7 @@ class _Run:
         guard = self.guard
         if guard is None or guard.flow is None:
             return tuple(self.waiters)
-        limit = current_limit(guard.gate)[0]
-        return retry_order(guard.flow, guard.requests, limit=limit, inflight=guard.gate.inflight)
+        return waiters_in_order(guard.flow, guard.requests, guard.gate)
 
     def _poll(self, at: float) -> None:
         assert self.guard is not None

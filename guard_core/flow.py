@@ -53,6 +53,7 @@ __all__ = (
     "retry_order",
     "settled",
     "spare_reserve",
+    "waiters_in_order",
 )
 
 
@@ -220,6 +221,14 @@ def retry_order(
 
 
 _NO_RANK = (0.0, 0.0, 0.0, "")
+
+
+def waiters_in_order(
+    flow: FlowState, requests: Mapping[int, Tracked], gate: GateState
+) -> tuple[int, ...]:
+    """:func:`retry_order` under ``gate``'s current cap and the slots it holds."""
+    return retry_order(flow, requests, limit=current_limit(gate)[0], inflight=gate.inflight)
+
 
 #: The most passes over :func:`retry_order` a runtime makes on one wake-up: the second lets a
 #: waiter passed over for one ranked before it take the slot that one left (its wait ended

@@ -54,10 +54,9 @@ from guard_core import (
     Retried,
     Tier,
     apply_guard_event,
-    current_limit,
     next_check_at,
 )
-from guard_core.flow import RETRY_PASSES, retry_has_room, retry_order
+from guard_core.flow import RETRY_PASSES, retry_has_room, waiters_in_order
 from guard_core.guard import refuses_at_once
 from guard_core.health import HealthEvent
 from guard_core.traffic import TrafficEvent
@@ -191,13 +190,9 @@ class GuardEngine:
         A pass stops once no retry can be admitted (``retry_has_room``): at most
         ``RETRY_PASSES`` retries per waiter on one wake-up."""
         for _ in range(RETRY_PASSES):
-            ended = False
-            state = self.state
-            flow = state.flow
-            assert flow is not None
-            limit = current_limit(state.gate)[0]
-            order = retry_order(flow, state.requests, limit=limit, inflight=state.gate.inflight)
-            for request_id in order:
+            ended, state = False, self.state
+            assert state.flow is not None
+            for request_id in waiters_in_order(state.flow, state.requests, state.gate):
                 if not retry_has_room(self.state.gate):
                     break
                 entry = self._ranked.get(request_id)

@@ -184,10 +184,9 @@ class GuardServer:
             elif simple is not None:
                 # The refusal path: a request refused at once is answered from its head;
                 # any other goes on through h11 below, its attempt (if any) with it.
-                if self.app.model_pools is None:
-                    begun, answer = self.app.admit_simple(simple)
-                else:  # its model picks the pool: the body goes along
-                    begun, answer = self.app.admit_simple(simple, down.simple_body(simple))
+                # With pools the body goes along: its model picks the pool.
+                body = down.simple_body(simple) if self.app.model_pools is not None else b""
+                begun, answer = self.app.admit_simple(simple, body)
                 if answer is not None:
                     try:
                         await down.answer_simple(simple, answer)
