@@ -50,8 +50,6 @@ _REST_OF_FIELD = rb":[ \t]*((?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?)[ \t]*\r\n"
 _HEAD = re.compile(
     rb"(" + _TOKEN + rb") (/[\x21-\x7e]*) HTTP/1\.1\r\n((?:" + _TOKEN + _REST_OF_FIELD + rb")*)\r\n"
 )
-#: One header line: (name, value).
-_FIELDS = re.compile(rb"(" + _TOKEN + rb")" + _REST_OF_FIELD)
 #: Headers whose presence needs the full reader's judgement (framing, upgrades, continues).
 _DEFERRED = frozenset({b"transfer-encoding", b"upgrade", b"expect", b"connection"})
 #: Header names the guard controls: an underscore alias of one goes to the full reader (400).
@@ -136,13 +134,18 @@ def read_simple_request(data: bytes) -> SimpleRequest | None:
     head = _HEAD.match(data, 0, end + 4)
     if head is None or head.end() != end + 4 or head[1] == b"CONNECT":
         return None  # a bad line, a bare CR or LF, obs-fold: the full reader decides
-    fields = _FIELDS.findall(head[3])
-    if len(fields) > MAX_HEADERS:
+    # _HEAD matched every line as ``name: value`` (a token, a colon, the value between optional
+    # blanks), so a line splits at its first colon and the value is what lies between the blanks.
+    lines = head[3].split(b"\r\n")
+    lines.pop()  # the empty piece after the last CRLF
+    if len(lines) > MAX_HEADERS:
         return None
     headers: list[tuple[bytes, bytes]] = []
     hosts = 0
     length: bytes | None = None
-    for raw_name, value in fields:
+    for line in lines:
+        raw_name, _, value = line.partition(b":")
+        value = value.strip(b" \t")
         name = raw_name.lower()
         if name in _DEFERRED or (b"_" in name and _sensitive_alias(name)):
             return None
