@@ -143,9 +143,9 @@ async def test_refusals_at_once_keep_the_connection_and_match_the_full_path(
     fast_calls = {"simple": 0}
     admit_simple = _proxy.ProxyApp.admit_simple
 
-    def counting(self: Any, request: Any) -> Any:
+    def counting(self: Any, request: Any, body: bytes = b"") -> Any:
         fast_calls["simple"] += 1
-        return admit_simple(self, request)
+        return admit_simple(self, request, body)
 
     monkeypatch.setattr(_proxy.ProxyApp, "admit_simple", counting)
     base, server = await start_guard({"UPSTREAM": "http://127.0.0.1:9", **_REFUSED}, poll=False)
