@@ -68,6 +68,9 @@ class Tracked:
     #: control is configured (:mod:`guard_core.flow`).
     band: int = 0
     tenant: str = ""
+    #: When its first useful token came, kept only under flow control: a finish the runtime
+    #: did not count the output of is charged its decode time at the speed target.
+    first_token_at: float | None = None
 
 
 def _with(
@@ -276,6 +279,10 @@ def _finish(
     """The slot goes back and, for a forwarded request, its prefill grace ends: one step."""
     gate = gate_rules.apply(state.gate, gate_rules.SlotReleased(at, tracked.tier)).state
     if state.flow is not None:
+        if output_tokens is None and tracked.first_token_at is not None:
+            # Not counted by the runtime (the live proxy): its decode time at the speed target.
+            decoding = max(0.0, at - tracked.first_token_at)
+            output_tokens = round(decoding * state.config.policy.user_tps_yellow)
         flow = flow_rules.finished(
             state.flow, tracked.band, tracked.tenant, output_tokens=output_tokens, at=at
         )
@@ -292,6 +299,10 @@ def _finish(
 
 
 def _first_token(state: GuardState, event: FirstToken) -> GuardState:
+    if state.flow is not None:
+        tracked = state.requests.get(event.request_id)
+        if tracked is not None and tracked.first_token_at is None:
+            state = _with(state, event.request_id, replace(tracked, first_token_at=event.at))
     learner = state.learner
     histogram = observe_first_token(learner.semantic_ttft, event.seconds)
     state = replace(state, learner=replace(learner, semantic_ttft=histogram))

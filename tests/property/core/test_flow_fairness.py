@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import guard_core as core
 from guard_core import tenants as tenant_rules
 from guard_core.bands import Band, BandSpec
-from guard_core.events import Arrived, Finished, Forwarded, Retried
+from guard_core.events import Arrived, Finished, Forwarded, RequestEvent, Retried
 from guard_core.flow import FlowConfig, retry_order
 from guard_core.guard import GuardConfig, GuardState
 from guard_core.guard import apply as apply_guard_event
@@ -342,3 +342,50 @@ def test_output_tokens_count_in_attained_service(
     assert first == expected
     step = apply_guard_event(state, Retried(at=0.3, request_id=order[0]))
     assert isinstance(step.outcome, core.Admitted)
+
+
+@given(
+    decode_s=st.floats(0.0, 30.0, allow_nan=False),
+    counted=st.none() | st.integers(0, 5000),
+    first_token=st.booleans(),
+)
+def test_an_uncounted_finish_is_charged_its_decode_time_at_the_speed_target(
+    decode_s: float, counted: int | None, first_token: bool
+) -> None:
+    """The live proxy does not count the output tokens a response delivered: a finish without
+    a count charges the tenant its decode time (from its first useful token) at the per-user
+    speed target, exactly what a count of that many tokens would; a count, when given, wins;
+    a request that never produced a first token is charged no output."""
+    config = GuardConfig(
+        gate=core.GateConfig(global_limit=4, dynamic=False, queue_wait_s=0.5),
+        learning=False,
+        flow=FlowConfig(bands=ONE_BAND, tenants=TenantConfig(max_lag=1e9)),
+    )
+
+    def served(tokens: int | None) -> GuardState:
+        state = GuardState.initial(config, at=0.0)
+        events: list[RequestEvent] = [
+            Arrived(at=0.0, request_id=1, tier=core.Tier.BASIC, tenant="a"),
+            Forwarded(at=0.0, request_id=1),
+        ]
+        if first_token:
+            events.append(core.FirstToken(at=1.0, request_id=1, seconds=1.0))
+        events.append(Finished(at=1.0 + decode_s, request_id=1, output_tokens=tokens))
+        for event in events:
+            state = apply_guard_event(state, event).state
+        return state
+
+    charged = served(counted).flow
+    assert charged is not None
+    if counted is not None:
+        expected = counted
+    elif first_token:
+        expected = round(decode_s * config.policy.user_tps_yellow)
+    else:
+        expected = 0
+    reference = served(expected).flow
+    assert reference is not None
+    assert charged.table == reference.table
+    uncharged = served(0).flow
+    assert uncharged is not None
+    assert (charged.table != uncharged.table) == (expected > 0)  # the default weight is 2
