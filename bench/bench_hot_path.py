@@ -1,0 +1,152 @@
+"""The refusal path's pieces in-process, and what trio's building blocks cost per request.
+
+Run: ``python bench/bench_hot_path.py [--scale F]`` (also part of ``nox -s bench``; ``--scale``
+multiplies the calls per repeat, 0.01 for a smoke run). No sockets: a guard
+refusing everything (static, ``GLOBAL_LIMIT=0``, no wait) is built as ``serve`` builds it, and
+each piece of a refusal is timed on the same small POST ``bench_proxy.py`` sends. The trio rows
+time, inside ``trio.run``, what an admitted request pays for its disconnect watcher (a nursery
+and one task) and for one timeout (a cancel scope with a deadline). Prints the best of seven
+repeats in microseconds per call, CPU time; it asserts only that its guard refuses the POST.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from guard_adapters.config import load_config
+from guard_adapters.http_head import read_simple_request
+from guard_adapters.outcome import Admission, ExchangeNotes, ExchangeOutcome
+from guard_core import RejectCode, Tier
+from guard_core.lanes import Lane
+from guard_trio._server import GuardServer
+
+_BODY = (
+    b'{"model":"bench","messages":[{"role":"system","content":"You are terse."},'
+    b'{"role":"user","content":"Name one river, one stone and one sea, nothing else."}],'
+    b'"max_tokens":16,"temperature":0}'
+)
+_REQUEST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
+    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(_BODY)
+) + _BODY
+_REFUSING = {
+    "DYNAMIC_PIG_ENABLED": "false",
+    "GLOBAL_LIMIT": "0",
+    "PIG_QUEUE_WAIT_SECONDS": "0",
+    "UPSTREAM": "http://127.0.0.1:9",
+    "LISTEN": "127.0.0.1:0",
+}
+
+
+#: Calls per repeat are multiplied by this (``--scale``).
+SCALE = [1.0]
+
+
+def best_us(call: Callable[[], object], number: int = 20_000, repeat: int = 7) -> float:
+    """The best of ``repeat`` runs of ``number`` calls, in CPU microseconds per call."""
+    best = float("inf")
+    number = max(1, round(number * SCALE[0]))
+    for _ in range(repeat):
+        started = time.process_time()
+        for _ in range(number):
+            call()
+        best = min(best, (time.process_time() - started) / number)
+    return best * 1e6
+
+
+async def best_us_async(
+    call: Callable[[], Awaitable[object]], number: int = 5_000, repeat: int = 7
+) -> float:
+    best = float("inf")
+    number = max(1, round(number * SCALE[0]))
+    for _ in range(repeat):
+        started = time.process_time()
+        for _ in range(number):
+            await call()
+        best = min(best, (time.process_time() - started) / number)
+    return best * 1e6
+
+
+async def _watched() -> None:
+    """An admitted request's watcher: a nursery, one task, cancelled at the end."""
+    with trio.CancelScope():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            await trio.lowlevel.checkpoint()
+            nursery.cancel_scope.cancel()
+
+
+async def _timed() -> None:
+    with trio.move_on_after(60):
+        await trio.lowlevel.checkpoint()
+
+
+async def measure() -> list[tuple[str, float]]:
+    server = GuardServer(load_config(_REFUSING))
+    app, engine = server.app, server.engine
+    request = read_simple_request(_REQUEST)
+    assert request is not None
+    _attempt, answer = app.admit_simple(request)
+    assert answer is not None
+    assert answer.startswith(b"HTTP/1.1 429"), answer[:40]
+
+    def notes() -> ExchangeOutcome:
+        return ExchangeNotes(
+            trace_id="bench",
+            request_id=1,
+            admitted_path=True,
+            tier=Tier.BASIC,
+            lane=Lane.DEFAULT,
+            body_bytes=len(_BODY),
+            admission=Admission.REFUSED,
+            code=RejectCode.TIER_BASIC_LIMIT,
+            decision_s=1e-5,
+            status=429,
+        ).outcome()
+
+    outcome = notes()
+
+    def whole() -> object:
+        parsed = read_simple_request(_REQUEST)
+        assert parsed is not None
+        return app.admit_simple(parsed)
+
+    rows = [
+        ("the fast reader: read_simple_request", best_us(lambda: read_simple_request(_REQUEST))),
+        (
+            "the engine's attempt: GuardEngine.begin (refused)",
+            best_us(lambda: engine.begin(Tier.BASIC, path="/v1/chat/completions", body_bytes=200)),
+        ),
+        ("the exchange's outcome: ExchangeNotes(...).outcome()", best_us(notes)),
+        ("its listeners: hand_outcome (the metrics)", best_us(lambda: app.hand_outcome(outcome))),
+        ("the cached 429: RefusalAnswers.whole", best_us(lambda: app.refusals.whole(None, "x"))),
+        ("a whole refusal: read + admit_simple", best_us(whole)),
+        ("trio: checkpoint", await best_us_async(trio.lowlevel.checkpoint)),
+        ("trio: a cancel scope with a deadline + checkpoint", await best_us_async(_timed)),
+        ("trio: a watcher (nursery + task) + checkpoint", await best_us_async(_watched)),
+    ]
+    await server.aclose()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="calls per repeat, scaled")
+    SCALE[0] = parser.parse_args().scale
+    rows = trio.run(measure)
+    print(f"bench_hot_path: {platform.python_implementation()} {platform.python_version()}")
+    print("CPU microseconds per call, best of 7 repeats")
+    width = max(len(name) for name, _ in rows)
+    for name, micros in rows:
+        print(f"{name.ljust(width)}  {micros:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
