@@ -60,6 +60,25 @@ async def _copy_chunked(
     await client.send_all(data)
 
 
+async def _send(stream: trio.SocketStream, conn: h11.Connection, event: h11.Event) -> None:
+    await stream.send_all(conn.send(event) or b"")
+
+
+async def _copy_body(
+    source: h11.Connection,
+    source_stream: trio.SocketStream,
+    sink: h11.Connection,
+    sink_stream: trio.SocketStream,
+) -> bool:
+    """A message's body through h11, chunk by chunk, then its end; False if it was cut."""
+    while not isinstance(event := await _next(source, source_stream), h11.EndOfMessage):
+        if not isinstance(event, h11.Data):
+            return False
+        await _send(sink_stream, sink, event)
+    await _send(sink_stream, sink, h11.EndOfMessage())
+    return True
+
+
 async def _serve(client: trio.SocketStream, upstream_port: int) -> None:
     down = h11.Connection(h11.SERVER)
     up_stream = await trio.open_tcp_stream("127.0.0.1", upstream_port)
@@ -69,42 +88,24 @@ async def _serve(client: trio.SocketStream, upstream_port: int) -> None:
             request = await _next(down, client)
             if not isinstance(request, h11.Request):
                 return
-            await up_stream.send_all(
-                up.send(
-                    h11.Request(
-                        method=request.method,
-                        target=request.target,
-                        headers=_forwardable(list(request.headers)),
-                    )
-                )
-                or b""
-            )
-            while not isinstance(event := await _next(down, client), h11.EndOfMessage):
-                if not isinstance(event, h11.Data):
-                    return
-                await up_stream.send_all(up.send(event) or b"")
-            await up_stream.send_all(up.send(h11.EndOfMessage()) or b"")
+            headers = _forwardable(list(request.headers))
+            head = h11.Request(method=request.method, target=request.target, headers=headers)
+            await _send(up_stream, up, head)
+            if not await _copy_body(down, client, up, up_stream):
+                return
             response = await _next(up, up_stream)
             if not isinstance(response, h11.Response):
                 return
-            await client.send_all(
-                down.send(
-                    h11.Response(
-                        status_code=response.status_code,
-                        headers=_forwardable(list(response.headers)),
-                        reason=response.reason,
-                    )
-                )
-                or b""
+            headers = _forwardable(list(response.headers))
+            reply = h11.Response(
+                status_code=response.status_code, headers=headers, reason=response.reason
             )
+            await _send(client, down, reply)
             if _chunked(response) and request.http_version == b"1.1":
                 await _copy_chunked(up, up_stream, client)
                 return  # h11 did not see the body: this connection is not reused
-            while not isinstance(event := await _next(up, up_stream), h11.EndOfMessage):
-                if not isinstance(event, h11.Data):
-                    return
-                await client.send_all(down.send(event) or b"")
-            await client.send_all(down.send(h11.EndOfMessage()) or b"")
+            if not await _copy_body(up, up_stream, down, client):
+                return
             if down.our_state is not h11.DONE or up.our_state is not h11.DONE:
                 return
             down.start_next_cycle()

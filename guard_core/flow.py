@@ -115,14 +115,20 @@ def refusal(
     tenants = flow.config.tenants
     if tenants is None:
         return None
-    free = max(1, limit - headroom(spec, band, limit) - inflight)
-    slots = flow.inflight[band] + free
+    slots, free = _room(flow, band, limit=limit, inflight=inflight)
     table = flow.table
     if tenant_rules.tenant_refusal(table, tenants, band, tenant, slots=slots, free=free, at=at):
         return RejectCode.TIER_PRIORITY
     if tenant_rules.spare_refusal(table, tenants, band, tenant, slots=slots, free=free, at=at):
         return RejectCode.TIER_PRIORITY
     return None
+
+
+def _room(flow: FlowState, band: int, *, limit: int, inflight: int) -> tuple[int, int]:
+    """The slots ``band`` could hold under cap ``limit`` with ``inflight`` admitted (what it
+    holds plus what it may still take, at least one) and the free part of them."""
+    free = max(1, limit - headroom(flow.config.bands, band, limit) - inflight)
+    return flow.inflight[band] + free, free
 
 
 def spare_reserve(
@@ -133,8 +139,7 @@ def spare_reserve(
     tenants = flow.config.tenants
     if tenants is None:
         return 0
-    free = max(1, limit - headroom(flow.config.bands, band, limit) - inflight)
-    slots = flow.inflight[band] + free
+    slots, _free = _room(flow, band, limit=limit, inflight=inflight)
     keep = tenant_rules.spare_slots(tenants, slots)
     if keep <= 0 or not tenant_rules.ahead(flow.table, tenants, band, tenant, slots=slots, at=at):
         return 0
@@ -208,8 +213,7 @@ def retry_order(
     ranks: dict[tuple[int, str], tuple[float, float, float, str]] = {}
     if tenants is not None:
         for band in range(len(spec.bands)):
-            free = max(1, limit - headroom(spec, band, limit) - inflight)
-            slots = flow.inflight[band] + free
+            slots, _free = _room(flow, band, limit=limit, inflight=inflight)
             ranks.update(tenant_rules.ranks(flow.table, tenants, band, slots=slots))
     waiting = [
         (tracked.band, ranks.get((tracked.band, tracked.tenant), _NO_RANK), tracked.arrived_at, rid)

@@ -124,8 +124,6 @@ class MetricsPolled:
     polls: tuple[BackendPoll, ...]
 
 
-#: Everything the guard applies: request events, polls, and a decision published directly (a
-#: runtime that pins the cap without polling, as tests do).
 #: Bytes per prompt token assumed without the predictive learner (its own default).
 _DEFAULT_BYTES_PER_TOKEN: float = default_of(PredictiveConfig, "bytes_per_token")
 _TRAFFIC_EVENTS = (BackendForwarded, BackendFinished, OutputIntentObserved, RefusedAfterAdmission)

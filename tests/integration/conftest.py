@@ -3,7 +3,10 @@ small HTTP client (trio + h11) that can read responses whole or as a stream."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -95,6 +98,24 @@ class HttpConnection:
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, *args: str, timeout_s: float = 120) -> str:
+    """Run ``bench/<script>`` with ``args`` from the repository root, as a smoke test does: it
+    must exit 0 (its output's tails say why not); its standard output."""
+    result = subprocess.run(
+        [sys.executable, f"bench/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
 
 
 async def connect(base: str) -> HttpConnection:

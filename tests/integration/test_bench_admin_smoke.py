@@ -5,34 +5,15 @@ decisions, and the viewer that never reads is dropped (timings are the benchmark
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.conftest import run_bench
 
 
 def test_the_admin_benchmark_runs_and_drops_the_stalled_viewer() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "bench/bench_admin.py",
-            "--rate",
-            "2000",
-            "--viewers",
-            "2",
-            "--seconds",
-            "1.5",
-            "--json",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    out = run_bench(
+        "bench_admin.py", "--rate", "2000", "--viewers", "2", "--seconds", "1.5", "--json"
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    idle, reading, stalled = json.loads(result.stdout)
+    idle, reading, stalled = json.loads(out)
     assert idle["viewers"] == 0
     assert idle["messages_per_s_per_viewer"] == 0
     assert reading["messages_per_s_per_viewer"] > 0

@@ -5,24 +5,11 @@ Only that it works is checked, never a figure: timings belong to the benchmark, 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.conftest import run_bench
 
 
 def test_the_proxy_benchmark_runs_in_smoke_mode_and_prints_both_tables() -> None:
-    result = subprocess.run(
-        [sys.executable, "bench/bench_proxy.py", "--quick", "--smoke"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    out = result.stdout
+    out = run_bench("bench_proxy.py", "--quick", "--smoke")
     assert "Python: " in out
     assert "POST load generator: " in out
     assert "Small non-streaming POST" in out
