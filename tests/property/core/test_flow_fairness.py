@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import guard_core as core
@@ -349,6 +349,7 @@ def test_output_tokens_count_in_attained_service(
     counted=st.none() | st.integers(0, 5000),
     first_token=st.booleans(),
 )
+@example(decode_s=0.86, counted=None, first_token=True)  # 1.86 - 1.0 is 0.8599999999999999
 def test_an_uncounted_finish_is_charged_its_decode_time_at_the_speed_target(
     decode_s: float, counted: int | None, first_token: bool
 ) -> None:
@@ -380,7 +381,8 @@ def test_an_uncounted_finish_is_charged_its_decode_time_at_the_speed_target(
     if counted is not None:
         expected = counted
     elif first_token:
-        expected = round(decode_s * config.policy.user_tps_yellow)
+        # The decode time as the core sees it: from the events' own times (float subtraction).
+        expected = round(((1.0 + decode_s) - 1.0) * config.policy.user_tps_yellow)
     else:
         expected = 0
     reference = served(expected).flow
