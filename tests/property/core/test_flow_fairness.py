@@ -9,7 +9,8 @@ broadcast). After every round:
   ahead of its band's recent service;
 - nobody is passed over: when a tenant is admitted, the slots that the tenants waiting further
   below their weighted fair share need to catch up with it are still free, so a tenant below
-  its share never waits while one above it is admitted;
+  its share never waits while one above it is admitted (a waiter the spare keeps from the
+  free slots, being ahead, does not count);
 - once every request admitted before the contention has ended, each backlogged tenant holds
   within one slot of its weighted fair share of the band (one slot plus the spare with one);
 - no waiter is ever admitted later than its wait bound after it arrived.
