@@ -29,7 +29,6 @@ from guard_core import (
     Forwarded,
     GateConfig,
     GateState,
-    GateView,
     GuardConfig,
     GuardState,
     Histogram,
@@ -79,7 +78,11 @@ def poll_evaluation() -> float:
     """One steady-state poll: the real vLLM page, counters moving, a learner with history."""
     sample = parse_metrics(PAGE.read_bytes())
     learner = LearnerState(config=PolicyConfig())
-    gate = GateView(queue=0, basic_inflight=20, published_cap=50)
+    gate = GateState(
+        config=GateConfig(),
+        decision=PublishedDecision.static(at=0.0, global_limit=50),
+        basic_inflight=20,
+    )
     at = 0.0
     for step in range(5):
         at += 1.0

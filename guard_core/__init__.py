@@ -20,7 +20,7 @@ from guard_core.decision import (
     Rejected,
     StateReason,
 )
-from guard_core.evaluation import BackendPoll, GateView, LearnerState, Snapshot, evaluate
+from guard_core.evaluation import BackendPoll, LearnerState, Snapshot, evaluate
 from guard_core.events import (
     Abandoned,
     Arrived,
@@ -85,7 +85,6 @@ __all__ = (
     "GateConfig",
     "GateState",
     "GateStep",
-    "GateView",
     "GuardConfig",
     "GuardError",
     "GuardEvent",

@@ -27,6 +27,7 @@ from guard_core.decision import (
     PublishedDecision,
     StateReason,
 )
+from guard_core.gate import GateState
 from guard_core.intake_guard import guard_intake
 from guard_core.observations import BackendSample, Histogram
 from guard_core.policy import PolicyConfig
@@ -41,7 +42,6 @@ from guard_core.ttft_learner import TtftInputs, TtftOutcome, TtftState, learn_tt
 __all__ = (
     "SEMANTIC_TTFT_BUCKETS",
     "BackendPoll",
-    "GateView",
     "LearnerState",
     "Round",
     "Snapshot",
@@ -78,18 +78,6 @@ class BackendPoll:
     name: str
     sample: BackendSample | None
     error: str = ""
-
-
-@attrs.frozen(kw_only=True)
-class GateView:
-    """The gate's counts when the poll is evaluated."""
-
-    queue: int = 0
-    premium_inflight: int = 0
-    basic_inflight: int = 0
-    premium_waiting: int = 0
-    #: The cap the gate holds now (the previous published decision's).
-    published_cap: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -198,10 +186,10 @@ def _prefill_state(
     return _Prefill(protected, running - protected, freeze, freeze or settling)
 
 
-def _tier_demand(gate: GateView, prev: Snapshot | None, *, running: int, base: int) -> bool:
+def _tier_demand(gate: GateState, prev: Snapshot | None, *, running: int, base: int) -> bool:
     """Basic traffic is being held back by the cap (not by a waiting premium request)."""
     limit = prev.decision.cap if prev is not None and prev.decision.cap > 0 else 0
-    limit = limit or gate.published_cap or base
+    limit = limit or gate.decision.cap or base
     allowed_basic = basic_limit(limit, gate.premium_inflight)
     if allowed_basic <= 0 or gate.premium_waiting > 0:
         # A premium request waiting means basic is held back by priority, not by capacity.
@@ -284,7 +272,7 @@ def _estimate(
 def _derive(
     config: PolicyConfig,
     learner: LearnerState,
-    gate: GateView,
+    gate: GateState,
     aggregate: norm.Aggregate,
     *,
     at: float,
@@ -302,7 +290,7 @@ def _derive(
     if prev is not None and learner.dynamic_rejects >= prev.dynamic_rejects:
         reject_delta = learner.dynamic_rejects - prev.dynamic_rejects
     tier_demand = _tier_demand(gate, prev, running=running, base=base)
-    capacity_demand = gate.queue > 0 or reject_delta > 0 or tier_demand
+    capacity_demand = gate.waiting > 0 or reject_delta > 0 or tier_demand
     estimate = _estimate(
         config,
         prev,
@@ -353,7 +341,7 @@ def _derive(
         smoothed_tps=estimate.smoothed,
         qos_tps=qos_tps,
         qos_tps_valid=qos_tps_valid,
-        queue=gate.queue,
+        queue=gate.waiting,
         reject_delta=reject_delta,
         tier_demand=tier_demand,
         capacity_demand=capacity_demand,
@@ -490,7 +478,7 @@ class Round:
 
 
 def evaluate(
-    learner: LearnerState, gate: GateView, polls: tuple[BackendPoll, ...], *, at: float
+    learner: LearnerState, gate: GateState, polls: tuple[BackendPoll, ...], *, at: float
 ) -> tuple[LearnerState, PublishedDecision]:
     """Evaluate one poll round and return the new learner state and the decision to publish."""
     result = evaluate_round(learner, gate, polls, at=at)
@@ -498,7 +486,7 @@ def evaluate(
 
 
 def evaluate_round(
-    learner: LearnerState, gate: GateView, polls: tuple[BackendPoll, ...], *, at: float
+    learner: LearnerState, gate: GateState, polls: tuple[BackendPoll, ...], *, at: float
 ) -> Round:
     """:func:`evaluate`, keeping the per-backend figures it computed on the way."""
     learner, normalised = _normalise_polls(learner, polls, at=at)
@@ -508,7 +496,7 @@ def evaluate_round(
 
 def _evaluate(
     learner: LearnerState,
-    gate: GateView,
+    gate: GateState,
     normalised: tuple[norm.NormalisedSample | None, ...],
     *,
     at: float,

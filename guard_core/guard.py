@@ -43,7 +43,6 @@ from guard_core.decision import (
 )
 from guard_core.evaluation import (
     BackendPoll,
-    GateView,
     LearnerState,
     evaluate_round,
 )
@@ -193,14 +192,7 @@ def _poll(state: GuardState, event: MetricsPolled) -> GuardStep:
     if not state.config.learning:
         return GuardStep(state)
     gate = state.gate
-    view = GateView(
-        queue=gate.waiting,
-        premium_inflight=gate.premium_inflight,
-        basic_inflight=gate.basic_inflight,
-        premium_waiting=gate.premium_waiting,
-        published_cap=gate.decision.cap,
-    )
-    evaluated = evaluate_round(state.learner, view, event.polls, at=event.at)
+    evaluated = evaluate_round(state.learner, gate, event.polls, at=event.at)
     learner, decision = evaluated.learner, evaluated.decision
     predictive = state.predictive
     if predictive is not None:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import attrs
 
-from guard_core import Arrived, GuardState, GuardStep, Tier, apply_guard_event
+from guard_core import (
+    Arrived,
+    GateConfig,
+    GateState,
+    GuardState,
+    GuardStep,
+    PublishedDecision,
+    Tier,
+    apply_guard_event,
+)
 from guard_core.evaluation import observe_first_token
 
 
@@ -29,3 +38,10 @@ def with_first_tokens(state: GuardState, *seconds: float) -> GuardState:
     for value in seconds:
         histogram = observe_first_token(histogram, value)
     return attrs.evolve(state, learner=attrs.evolve(learner, semantic_ttft=histogram))
+
+
+def gate_holding(*, cap: int = 0, **counts: int) -> GateState:
+    """A gate whose published cap is ``cap`` and whose in-flight and waiting counts are
+    ``counts`` (``premium_inflight``, ``basic_waiting``, ...): what a poll evaluation reads."""
+    decision = PublishedDecision.static(at=0.0, global_limit=cap)
+    return GateState(config=GateConfig(), decision=decision, **counts)

@@ -13,7 +13,6 @@ from guard_core import LimitReason
 from guard_core import normalise as norm
 from guard_core.evaluation import (
     BackendPoll,
-    GateView,
     LearnerState,
     Snapshot,
     evaluate,
@@ -21,6 +20,7 @@ from guard_core.evaluation import (
 )
 from guard_core.observations import BackendSample, Flavour, Histogram
 from guard_core.policy import PolicyConfig
+from tests.core_steps import gate_holding
 
 TTFT_BOUNDS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, math.inf)
 
@@ -63,12 +63,12 @@ def backend_series(draw: st.DrawFn, polls: int) -> list[BackendSample | None]:
 
 
 gate_views = st.builds(
-    GateView,
-    queue=st.sampled_from([0, 0, 0, 1, 4]),
+    gate_holding,
+    basic_waiting=st.sampled_from([0, 0, 0, 1, 4]),
     premium_inflight=st.integers(0, 10),
     basic_inflight=st.integers(0, 60),
     premium_waiting=st.sampled_from([0, 0, 1]),
-    published_cap=st.integers(0, 80),
+    cap=st.integers(0, 80),
 )
 
 
@@ -186,7 +186,7 @@ def test_a_ttft_signal_never_raises_the_cap(run: dict[str, Any], extra: int) -> 
             BackendPoll(name=name, sample=status.sample) for name, status in before.backends
         )
         at = decision.at + 1.0
-        gate = GateView(published_cap=decision.cap)
+        gate = gate_holding(cap=decision.cap)
         # Re-poll the same samples: the plain run sees no new first tokens at all.
         _, with_plain = evaluate(before, gate, plain, at=at)
         _, with_slow = evaluate(before, gate, polls, at=at)
@@ -205,9 +205,9 @@ def test_a_counter_reset_on_one_backend_leaves_the_others_alone(
     others_before = BackendSample(running=2.0, generation_tokens=900.0, preemptions=2.0)
     others_after = BackendSample(running=2.0, generation_tokens=500.0 + which, preemptions=0.0)
     polls_0 = (BackendPoll(name="a", sample=first), BackendPoll(name="b", sample=others_before))
-    learner, _ = evaluate(learner, GateView(), polls_0, at=0.0)
+    learner, _ = evaluate(learner, gate_holding(), polls_0, at=0.0)
     polls_1 = (BackendPoll(name="a", sample=second), BackendPoll(name="b", sample=others_after))
-    after, _ = evaluate(learner, GateView(), polls_1, at=2.0)
+    after, _ = evaluate(learner, gate_holding(), polls_1, at=2.0)
     last: Snapshot | None = after.last
     assert last is not None
     # Backend a made 2000 tokens in 2 s; b's reset contributes nothing rather than a negative rate.
