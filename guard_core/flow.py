@@ -117,9 +117,7 @@ def refusal(
         return None
     slots, free = _room(flow, band, limit=limit, inflight=inflight)
     table = flow.table
-    if tenant_rules.tenant_refusal(table, tenants, band, tenant, slots=slots, free=free, at=at):
-        return RejectCode.TIER_PRIORITY
-    if tenant_rules.spare_refusal(table, tenants, band, tenant, slots=slots, free=free, at=at):
+    if tenant_rules.refused(table, tenants, band, tenant, slots=slots, free=free, at=at):
         return RejectCode.TIER_PRIORITY
     return None
 

@@ -16,7 +16,7 @@ Guarantees:
   rank comes (each slot a tenant takes moves it one slot up; only its waiting requests count,
   and not those the spare keeps out), so a tenant below its weighted fair share is never
   passed over for one above it;
-- the spare (:func:`spare_refusal`): a tenant *ahead* (:func:`ahead`: holding at least its
+- the spare (part of :func:`refused`): a tenant *ahead* (:func:`ahead`: holding at least its
   slot share, and recent service per weight over ``1 + ahead_margin`` times the band's) takes a
   free slot only while more than :func:`spare_slots` are free; no other tenant is ever refused
   by it. So a free slot is left to nobody only while no more than the spare is free and every
@@ -54,10 +54,9 @@ __all__ = (
     "queued",
     "rank",
     "ranks",
+    "refused",
     "released",
     "resolve",
-    "spare_refusal",
-    "tenant_refusal",
 )
 
 #: The shared entry of tenants beyond the table's cap (and of requests with no tenant key).
@@ -339,7 +338,7 @@ def spare_slots(config: TenantConfig, slots: int) -> int:
     return math.floor(config.spare * slots + _EPSILON)
 
 
-def spare_refusal(
+def refused(
     table: TenantTable,
     config: TenantConfig,
     band: int,
@@ -349,30 +348,32 @@ def spare_refusal(
     free: int,
     at: float,
 ) -> bool:
-    """True when ``tenant`` is ahead (:func:`ahead`) and the band's ``free`` slots (of the
-    ``slots`` it could hold) are no more than its spare (:func:`spare_slots`)."""
+    """True when ``tenant`` may not take one of the band's ``free`` slots (of the ``slots`` it
+    could hold in all): it is ahead (:func:`ahead`) and no more than its spare
+    (:func:`spare_slots`) is free, or better-ranked waiters that may take a slot now would take
+    every free one before its turn (a waiter the spare keeps from a slot does not count)."""
     keep = spare_slots(config, slots)
-    return keep > 0 and free <= keep and ahead(table, config, band, tenant, slots=slots, at=at)
+    if keep > 0 and free <= keep and ahead(table, config, band, tenant, slots=slots, at=at):
+        return True
+    return _passed_over(table, config, band, tenant, (slots, free, keep), at=at)
 
 
-def tenant_refusal(
+def _passed_over(
     table: TenantTable,
     config: TenantConfig,
     band: int,
     tenant: str,
+    room: tuple[int, int, int],
     *,
-    slots: int,
-    free: int,
     at: float,
 ) -> bool:
-    """True when ``tenant`` must leave the band's ``free`` slots (of the ``slots`` it could
-    hold in all) to better-ranked waiters that may take them now (a waiter the spare keeps
-    from a slot, :func:`spare_refusal`, does not count)."""
+    """The ranking part of :func:`refused`; ``room`` is the band's slots, the free ones and
+    the spare."""
+    slots, free, keep = room
     entries = table.entries
     actives = [(t, s) for (b, t), s in entries.items() if b == band and s.active]
     if not any(t != tenant and s.waiting > 0 for t, s in actives):
         return False  # nobody else waits: an idle share is lent to whoever asks
-    keep = spare_slots(config, slots)
     level = _level(table, config, band, tenant, at=at) if 0 < free <= keep else 0.0
     weights = _weights_of(table, config, band, tenant)
     per_weight = slots / sum(weights.values())
@@ -399,7 +400,7 @@ def tenant_refusal(
 def ranks(
     table: TenantTable, config: TenantConfig, band: int, *, slots: int
 ) -> dict[tuple[int, str], tuple[float, float, float, str]]:
-    """The rank of every active tenant of ``band`` (as :func:`tenant_refusal` ranks them)."""
+    """The rank of every active tenant of ``band`` (as :func:`refused` ranks them)."""
     actives = [(t, s) for (b, t), s in table.entries.items() if b == band and s.active]
     if not actives:
         return {}
