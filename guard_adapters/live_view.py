@@ -66,13 +66,6 @@ class TierRate:
 
 
 @attrs.frozen(kw_only=True)
-class _Sample:
-    at: float
-    admitted: Counts
-    refused: Counts
-
-
-@attrs.frozen(kw_only=True)
 class LiveView:
     """What the stream said so far, bounded: the view the screen and the line are drawn from."""
 
@@ -93,7 +86,8 @@ class LiveView:
     decisions: tuple[Decision, ...] = ()
     admissions: tuple[Admission, ...] = ()
     rates: tuple[TierRate, ...] = ()
-    samples: tuple[_Sample, ...] = ()
+    #: The recent decisions that carried a time, oldest first: what the rates are measured on.
+    samples: tuple[Decision, ...] = ()
 
     @property
     def outcome_counts(self) -> Counts:
@@ -114,8 +108,12 @@ class LiveView:
 # -- folding ---------------------------------------------------------------------------------------
 
 
-def _went_back(new: _Sample, old: _Sample) -> bool:
-    if new.at < old.at:
+def _seconds(decision: Decision) -> float:
+    return decision.at if decision.at is not None else 0.0  # samples always carry one
+
+
+def _went_back(new: Decision, old: Decision) -> bool:
+    if _seconds(new) < _seconds(old):
         return True
     for mine, theirs in ((new.admitted, old.admitted), (new.refused, old.refused)):
         for tier, count in mine:
@@ -132,7 +130,7 @@ def _per_second(new: Counts, base: Counts, tier: str, seconds: float) -> float |
     return max(0.0, (now - then) / seconds)
 
 
-def _rates(decision: Decision, samples: tuple[_Sample, ...]) -> tuple[TierRate, ...]:
+def _rates(decision: Decision, samples: tuple[Decision, ...]) -> tuple[TierRate, ...]:
     newest = samples[-1] if samples else None
     base = samples[0] if len(samples) > 1 else None
     tiers = sorted({t for t, _ in decision.admitted + decision.refused}, key=tier_key)
@@ -140,7 +138,7 @@ def _rates(decision: Decision, samples: tuple[_Sample, ...]) -> tuple[TierRate, 
     for tier in tiers:
         admitted = refused = None
         if newest is not None and base is not None:
-            seconds = newest.at - base.at
+            seconds = _seconds(newest) - _seconds(base)
             admitted = _per_second(newest.admitted, base.admitted, tier, seconds)
             refused = _per_second(newest.refused, base.refused, tier, seconds)
         rates.append(
@@ -157,15 +155,15 @@ def _rates(decision: Decision, samples: tuple[_Sample, ...]) -> tuple[TierRate, 
 
 def _with_decision(view: LiveView, decision: Decision) -> LiveView:
     samples, restarts = view.samples, view.restarts
-    if decision.at is not None:
-        sample = _Sample(at=decision.at, admitted=decision.admitted, refused=decision.refused)
-        if any(_went_back(sample, old) for old in samples):
-            samples, restarts = (sample,), restarts + 1
+    at = decision.at
+    if at is not None:
+        if any(_went_back(decision, old) for old in samples):
+            samples, restarts = (decision,), restarts + 1
         else:
-            recent = [old for old in samples if sample.at - old.at <= view.rate_window_s]
+            recent = [old for old in samples if at - _seconds(old) <= view.rate_window_s]
             if not recent and samples:
                 recent = [samples[-1]]
-            samples = (*recent[-(_MAX_SAMPLES - 1) :], sample)
+            samples = (*recent[-(_MAX_SAMPLES - 1) :], decision)
     return attrs.evolve(
         view,
         latest=decision,
