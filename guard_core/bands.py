@@ -28,7 +28,7 @@ import attrs
 
 from guard_core._errors import PolicyConfigError
 from guard_core.decision import RejectCode
-from guard_core.gate import MAX_SHORT_WAIT_S
+from guard_core.short_wait import MAX_SHORT_WAIT_S
 from guard_core.tier import Tier
 
 __all__ = (

@@ -12,9 +12,8 @@ Guarantees:
   abandoned;
 - premium may use the whole cap; basic never takes a slot reserved for premium and is refused
   with ``tier_priority`` while any premium request waits;
-- the short wait is a pure function of the latest decision and the refusal code (spec 4.3) and
-  never exceeds ``min(PIG_QUEUE_WAIT_SECONDS, 0.5 s)``; a request's own ``wait_cap_s`` (its
-  priority band's wait) only shortens it;
+- a refused request waits at most as long as :func:`~guard_core.short_wait.short_wait_s` allows
+  (spec 4.3), and a request's own ``wait_cap_s`` (its priority band's wait) only shortens it;
 - the failure mode (``PIG_FAILURE_MODE``) decides only what a decision that says no backend is
   usable (no metrics yet, every metrics source failing) does: ``close`` (the default, PIG's)
   refuses every attempt with ``backend_unavailable``; ``open`` admits within ``GLOBAL_LIMIT``
@@ -24,8 +23,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import math
-
 import attrs
 
 from guard_core._errors import InvalidObservation
@@ -33,15 +30,13 @@ from guard_core._values import replace
 from guard_core.decision import (
     Admission,
     Admitted,
-    DecisionSource,
-    LoadState,
     PublishedDecision,
     Queued,
     RejectCode,
     Rejected,
-    StateReason,
 )
 from guard_core.settings import AtLeast, Greater, default_of, require_valid, setting
+from guard_core.short_wait import MAX_SHORT_WAIT_S, short_wait_s
 from guard_core.signal_state import SignalThresholds
 from guard_core.tier import Tier, basic_limit
 
@@ -63,12 +58,6 @@ __all__ = (
     "refuse",
     "short_wait_s",
 )
-
-#: The longest a request is ever held before it is forwarded or refused.
-MAX_SHORT_WAIT_S = 0.5
-_RED_WAIT_S = 0.1
-_PRESSURE_WAIT_S = 0.25
-_KV_CRITICAL = 0.95
 
 
 @attrs.frozen(kw_only=True)
@@ -246,41 +235,6 @@ def _refusal(state: GateState, tier: Tier) -> RejectCode | None:
     if inflight >= state.config.global_limit:
         return RejectCode.GLOBAL_LIMIT
     return None
-
-
-def short_wait_s(decision: PublishedDecision, code: RejectCode, config: GateConfig) -> float:
-    """How long a refused request may wait for a slot (spec 4.3); 0 means reject at once.
-
-    The wait is shortened to 0.25 s or 0.1 s when the latest poll shows the backend under
-    pressure, since a slot is then unlikely to free up, and is never longer than configured.
-    """
-    if code is RejectCode.BACKEND_UNAVAILABLE or config.queue_wait_s <= 0:
-        return 0.0
-    wait = min(config.queue_wait_s, MAX_SHORT_WAIT_S)
-    if decision.source is not DecisionSource.METRICS:
-        return wait
-    for reason in decision.red_reasons:
-        if reason in (StateReason.PREEMPTIONS, StateReason.KV_CACHE):
-            return min(wait, _RED_WAIT_S)
-        if reason in (StateReason.WAITING, StateReason.SCHEDULER_PRESSURE_CAPACITY):
-            wait = min(wait, _PRESSURE_WAIT_S)
-    if decision.state is LoadState.RED:
-        return min(wait, _RED_WAIT_S)
-    kv = decision.kv_usage
-    if (config.kv_red > 0 and kv >= config.kv_red) or kv >= _KV_CRITICAL:
-        return min(wait, _RED_WAIT_S)
-    waiting = decision.waiting
-    if decision.cap > 0 and waiting > 0 and decision.running >= math.ceil(0.9 * decision.cap):
-        return min(wait, _PRESSURE_WAIT_S)
-    if config.waiting_red > 0 and waiting >= max(1, config.waiting_red // 2):
-        return min(wait, _PRESSURE_WAIT_S)
-    if (
-        decision.state is LoadState.YELLOW
-        and waiting > 0
-        and config.queue_wait_s >= _PRESSURE_WAIT_S
-    ):
-        return min(wait, _PRESSURE_WAIT_S)
-    return wait
 
 
 def next_check_at(queued: Queued, *, now: float, config: GateConfig) -> float:
