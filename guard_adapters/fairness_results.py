@@ -18,7 +18,14 @@ import attrs
 
 from guard_adapters.simulation_results import RequestOutcome
 
-__all__ = ("HEAVY", "FairnessSummary", "TenantRow", "jain_index", "summarise_tenants")
+__all__ = (
+    "HEAVY",
+    "FairnessSummary",
+    "TenantRow",
+    "chance_jain_index",
+    "jain_index",
+    "summarise_tenants",
+)
 
 #: The heavy tenant's label.
 HEAVY: Final = "t0"
@@ -29,6 +36,8 @@ class TenantRow:
     tenant: str
     requests: int
     rejected: int
+    #: Its requests that were good (goodput is this over the run's span).
+    good: int
     goodput_per_s: float
 
     @property
@@ -68,6 +77,24 @@ def jain_index(values: Sequence[float]) -> float | None:
     return sum(values) ** 2 / (len(values) * squares)
 
 
+def chance_jain_index(rows: Sequence[TenantRow]) -> float | None:
+    """The Jain index of served shares that ``rows`` would show *by chance alone*: if each of
+    their requests had the same chance of being good (their pooled rate ``p``), each share is a
+    binomial proportion with variance ``p(1 - p)/n_i``, and the index's expected numerator and
+    denominator give ``(N^2 p^2 + V) / (N (N p^2 + V))`` for ``N`` tenants, ``V`` the sum of the
+    variances. A perfectly fair server scores about this, not 1, when each tenant sends few
+    requests; ``None`` without rows that sent any."""
+    sent = [row for row in rows if row.requests > 0]
+    if not sent:
+        return None
+    p = sum(row.good for row in sent) / sum(row.requests for row in sent)
+    if p in (0.0, 1.0):
+        return 1.0
+    count = len(sent)
+    spread = sum(p * (1 - p) / row.requests for row in sent)
+    return (count * count * p * p + spread) / (count * (count * p * p + spread))
+
+
 def summarise_tenants(
     outcomes: Sequence[RequestOutcome], duration_s: float
 ) -> FairnessSummary | None:
@@ -87,14 +114,13 @@ def summarise_tenants(
                 tenant=tenant,
                 requests=len(mine),
                 rejected=sum(not o.admitted for o in mine),
+                good=good,
                 goodput_per_s=good / duration_s if duration_s > 0 else 0.0,
             )
         )
     light = [row for row in rows if row.tenant != HEAVY]
     heavy = [row for row in rows if row.tenant == HEAVY]
-    served = [
-        sum(o.good for o in by_tenant[row.tenant]) / row.requests for row in light if row.requests
-    ]
+    served = [row.good / row.requests for row in light if row.requests]
 
     def rate(group: Sequence[TenantRow]) -> float:
         sent = sum(row.requests for row in group)

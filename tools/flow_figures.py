@@ -1,8 +1,9 @@
 """Measure tenant fairness with ``simulate`` (docs/flow-control.md's tables).
 
 ``python tools/flow_figures.py [--quick] [--policy=fixed|guard|predictive ...] [--run=NAME ...]
-[--set VAR=VALUE ...]``: for each trace and policy, a heavy tenant (``t0``) sending 2x and 4x
-what each of the 9 light tenants sends, alone in its band or with three bands, run four ways:
+[--seed=N] [--set VAR=VALUE ...]``: for each trace and policy, a heavy tenant (``t0``) sending
+2x and 4x what each of the 9 light tenants sends, alone in its band or with three bands, run
+four ways:
 
 - *unfair*: the same labels, tenant fairness off (the baseline of the goodput criterion);
 - *rank only*: tenant fairness with ``PIG_TENANT_SPARE=0`` (ranked waiters, no spare slots);
@@ -16,8 +17,10 @@ rate that splitting the fair run's admissions max-min fairly by demand would giv
 filling: every tenant gets ``min(its requests, L)`` with ``L`` such that the sum is what the
 fair run admitted), the figure a system without timing losses would reach; a loss system with
 a 0.5 s wait and requests that hold a slot for seconds cannot. ``met`` says which references
-the fair run's light reject rate is at or below. One simulation at a time (a few CPU seconds
-each).
+the fair run's light reject rate is at or below. Beside the fair run's Jain index over the
+light tenants stands, in brackets, the index they would score *by chance alone* if every light
+request had the same chance of being good: with few requests per tenant a perfectly fair
+server scores below 1. One simulation at a time (a few CPU seconds each).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from guard_adapters.fairness_results import TenantRow, chance_jain_index
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "tests/fixtures/traces"
@@ -101,6 +106,15 @@ def fluid_light_reject(entry: dict[str, Any]) -> float:
     return sum(1 - min(d, level) / d for d in light) / len(light)
 
 
+def chance_jain(entry: dict[str, Any]) -> float:
+    """The Jain index the light tenants of ``entry`` would score by chance alone, served alike
+    (:func:`~guard_adapters.fairness_results.chance_jain_index`)."""
+    fields = ("tenant", "requests", "rejected", "good", "goodput_per_s")
+    light = [row for row in entry["tenants"] if row["tenant"] != HEAVY]
+    index = chance_jain_index([TenantRow(**{key: row[key] for key in fields}) for row in light])
+    return 1.0 if index is None else index
+
+
 def row(label: str, cases: dict[str, dict[str, Any]]) -> str:
     fair = cases["fair"]
     light = {k: v["fairness"]["light_reject_rate"] for k, v in cases.items()}
@@ -114,7 +128,7 @@ def row(label: str, cases: dict[str, dict[str, Any]]) -> str:
         f"| {label} | {light['unfair']:.3f} / {light['ranked']:.3f} / **{light['fair']:.3f}**"
         f" | {light['balanced']:.3f} | {fluid:.3f} | {', '.join(met) or 'none'}"
         f" | {heavy['unfair']:.3f} / {heavy['fair']:.3f}"
-        f" | {fair['fairness']['jain_index_light']:.3f}"
+        f" | {fair['fairness']['jain_index_light']:.3f} ({chance_jain(fair):.3f})"
         f" | {good['unfair']:.2f} / {good['ranked']:.2f} / {good['fair']:.2f}"
         f" ({change:+.1f} %) |"
     )
@@ -125,11 +139,13 @@ def main(argv: list[str]) -> int:
     only = [arg.removeprefix("--policy=") for arg in argv if arg.startswith("--policy=")]
     names = [arg.removeprefix("--run=") for arg in argv if arg.startswith("--run=")]
     settings: list[str] = []
+    seeds = [arg.removeprefix("--seed=") for arg in argv if arg.startswith("--seed=")]
+    seeded = ("--seed", seeds[-1]) if seeds else ()
     for index, arg in enumerate(argv):
         if arg == "--set":
             settings += ["--set", argv[index + 1]]
     print("| case | light reject: unfair / rank only / fair | balanced ref. | fluid ref. | met |"
-          " heavy reject: unfair / fair | Jain light |"
+          " heavy reject: unfair / fair | Jain light (by chance) |"
           " goodput/s: unfair / rank only / fair |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for run in runs:
@@ -139,8 +155,9 @@ def main(argv: list[str]) -> int:
         for policy in POLICIES:
             if only and policy not in only:
                 continue
-            for given in ((), ("--bands", BANDS, "--premium-share", "0.1")):
-                tag = ", 3 bands" if given else ""
+            for bands in ((), ("--bands", BANDS, "--premium-share", "0.1")):
+                given = (*bands, *seeded)
+                tag = ", 3 bands" if bands else ""
                 for times in (2, 4):
                     share = times / (TENANTS - 1 + times)
                     balanced_rate = rate * (1 - share) / (1 - 1 / TENANTS)

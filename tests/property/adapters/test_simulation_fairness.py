@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import random
 from pathlib import Path
 
 import attrs
@@ -20,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from guard_adapters.config import load_config
-from guard_adapters.fairness_results import HEAVY, jain_index
+from guard_adapters.fairness_results import HEAVY, TenantRow, chance_jain_index, jain_index
 from guard_adapters.simulation import SimulationResult, parse_policy, simulate
 from guard_adapters.traces import head, load_trace, scale_rate, tenant_labels
 from guard_core.flow import FlowConfig
@@ -54,6 +55,43 @@ def test_jain_index_bounds(values: list[float]) -> None:
     assert jain_index([values[0]] * len(values)) == pytest.approx(1.0)
     if len(values) > 1:
         assert jain_index([1.0] + [0.0] * (len(values) - 1)) == pytest.approx(1 / len(values))
+
+
+def _rows(counts: list[int], good: list[int]) -> list[TenantRow]:
+    return [
+        TenantRow(tenant=f"t{i + 1}", requests=n, rejected=0, good=g, goodput_per_s=0.0)
+        for i, (n, g) in enumerate(zip(counts, good, strict=True))
+    ]
+
+
+@pytest.mark.parametrize(("counts", "p"), [([190] * 9, 0.11), ([40, 60, 80, 100], 0.3)])
+def test_chance_jain_index_is_what_fair_coin_flips_score(counts: list[int], p: float) -> None:
+    # Tenants served by the same coin: the mean index of many such runs is the reference.
+    draws = random.Random(11)
+    scores = []
+    for _ in range(3000):
+        good = [sum(draws.random() < p for _ in range(n)) for n in counts]
+        shares = [g / n for g, n in zip(good, counts, strict=True)]
+        index = jain_index(shares)
+        assert index is not None
+        scores.append(index)
+    expected = chance_jain_index(_rows(counts, [round(p * n) for n in counts]))
+    assert expected is not None
+    assert sum(scores) / len(scores) == pytest.approx(expected, abs=0.004)
+    assert expected < 1.0
+
+
+@given(st.lists(st.integers(1, 500), min_size=1, max_size=12), st.floats(0.0, 1.0))
+def test_chance_jain_index_bounds(counts: list[int], p: float) -> None:
+    rows = _rows(counts, [round(p * n) for n in counts])
+    index = chance_jain_index(rows)
+    assert index is not None
+    assert 1 / len(counts) - 1e-9 <= index <= 1 + 1e-9
+    # Ten times the requests each, the same rate: closer to 1 (less left to chance).
+    more = chance_jain_index(_rows([10 * n for n in counts], [10 * row.good for row in rows]))
+    assert more is not None
+    assert more >= index - 1e-12
+    assert chance_jain_index([]) is None
 
 
 @functools.cache
