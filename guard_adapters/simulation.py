@@ -82,7 +82,7 @@ from guard_adapters.engine_model import (
     idle_prefill_s,
 )
 from guard_adapters.engine_pool import EnginePool
-from guard_adapters.fairness_results import summarise_tenants
+from guard_adapters.fairness_results import HEAVY, summarise_tenants
 from guard_adapters.prefix_cache import MOONCAKE_BLOCK_TOKENS, PrefixCache
 from guard_adapters.sim_routing import RoutedRequest, Router, RoutingView, parse_routing
 from guard_adapters.simulation_results import (
@@ -99,7 +99,7 @@ from guard_adapters.simulation_results import (
     summarise,
     user_tps_series,
 )
-from guard_adapters.traces import TraceRequest, premium_flags, tenant_labels
+from guard_adapters.traces import TraceRequest, premium_flags, tenant_labels, thinned
 from guard_core import (
     Admitted,
     Arrived,
@@ -317,11 +317,17 @@ class _Run:
         router: Router | None = None,
         tenants: int = 0,
         heavy_share: float = 0.0,
+        heavy_keep: float = 1.0,
     ) -> None:
-        flags = premium_flags(len(trace), premium_share, seed=seed)
+        flags: Sequence[bool] = premium_flags(len(trace), premium_share, seed=seed)
         labels: Sequence[str] = [""] * len(trace)
         if tenants:
             labels = tenant_labels(len(trace), tenants, heavy_share, seed=seed)
+        if tenants and heavy_keep < 1.0:
+            kept = thinned(labels, HEAVY, heavy_keep, seed=seed)
+            trace = [r for r, k in zip(trace, kept, strict=True) if k]
+            flags = [f for f, k in zip(flags, kept, strict=True) if k]
+            labels = [label for label, k in zip(labels, kept, strict=True) if k]
         flow = policy.config.flow if isinstance(policy, Guard) else None
         self.flow = flow is not None
         # The premium flag picks the first band, the rest go to the default one.
@@ -696,6 +702,7 @@ def simulate(
     routing: Router | str = "round-robin",
     tenants: int = 0,
     heavy_share: float = 0.0,
+    heavy_keep: float = 1.0,
 ) -> SimulationResult:
     """Run ``trace`` through ``policy`` in front of a fresh simulated engine.
 
@@ -713,7 +720,10 @@ def simulate(
     ``tenants`` (2 or more) labels each request with a tenant, ``t0`` (the heavy one) with
     chance ``heavy_share`` and one of the others uniformly otherwise
     (:func:`~guard_adapters.traces.tenant_labels`); the guard sees the label as its tenant key
-    when its settings enable tenants, and the result gains per-tenant figures.
+    when its settings enable tenants, and the result gains per-tenant figures. ``heavy_keep``
+    below 1 then keeps each of ``t0``'s requests with that chance only
+    (:func:`~guard_adapters.traces.thinned`), every other request as it was: the same light
+    traffic with the heavy tenant sending less.
     """
     if isinstance(policy, str):
         policy = parse_policy(policy, guard_config)
@@ -728,6 +738,8 @@ def simulate(
     slowdowns = validate_slowdowns(slowdowns)
     if backends < 1:
         raise ValueError(f"backends must be >= 1, got {backends}")
+    if not 0.0 < heavy_keep <= 1.0:
+        raise ValueError(f"heavy_keep must be in (0, 1], got {heavy_keep}")
     if not (math.isfinite(slow_backend) and slow_backend > 0):
         raise ValueError(f"slow_backend must be finite and > 0, got {slow_backend}")
     router = parse_routing(routing) if isinstance(routing, str) else routing
@@ -745,6 +757,7 @@ def simulate(
         router=router,
         tenants=tenants,
         heavy_share=heavy_share,
+        heavy_keep=heavy_keep,
     )
     last_arrival, end = run.run()
     outcomes = tuple(req.frozen(profile) for req in run.reqs)

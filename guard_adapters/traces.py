@@ -20,7 +20,7 @@ Guarantees:
 - :func:`scale_rate` and :func:`head` keep the order, the token counts and the ``hash_ids``;
 - :func:`premium_flags` is a pure function of ``(count, share, seed)`` and the flags of a prefix
   of a trace are the prefix of the flags of the whole trace; so is :func:`tenant_labels` of
-  its arguments, for the tenants of a simulation.
+  its arguments, for the tenants of a simulation, and :func:`thinned` of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import enum
 import json
 import math
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -50,6 +50,7 @@ __all__ = (
     "read_trace",
     "scale_rate",
     "tenant_labels",
+    "thinned",
 )
 
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -287,3 +288,13 @@ def tenant_labels(count: int, tenants: int, heavy_share: float, *, seed: int) ->
         "t0" if rng.random() < heavy_share else f"t{rng.randrange(1, tenants)}"
         for _ in range(count)
     )
+
+
+def thinned(labels: Sequence[str], tenant: str, keep: float, *, seed: int) -> tuple[bool, ...]:
+    """Which requests stay when each one labelled ``tenant`` is kept with chance ``keep`` and
+    every other is kept: the same other requests, ``tenant`` sending ``keep`` times as much. A
+    pure function of its arguments, drawn from its own stream."""
+    if not 0.0 < keep <= 1.0:
+        raise ValueError(f"the kept share must be in (0, 1], got {keep!r}")
+    rng = random.Random(f"thinned/{seed}")
+    return tuple(label != tenant or rng.random() < keep for label in labels)

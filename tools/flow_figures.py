@@ -3,14 +3,18 @@
 ``python tools/flow_figures.py [--quick] [--policy=fixed|guard|predictive ...] [--run=NAME ...]
 [--seed=N] [--set VAR=VALUE ...]``: for each trace and policy, a heavy tenant (``t0``) sending
 2x and 4x what each of the 9 light tenants sends, alone in its band or with three bands, run
-four ways:
+five ways:
 
 - *unfair*: the same labels, tenant fairness off (the baseline of the goodput criterion);
 - *rank only*: tenant fairness with ``PIG_TENANT_SPARE=0`` (ranked waiters, no spare slots);
 - *fair*: tenant fairness with the settings given (the defaults unless ``--set``);
 - *balanced*: the heavy tenant sending only its share (1x), the rate lowered so the light
   tenants send exactly what they send in the heavy run, fairness off: what the light tenants
-  see when the heavy one keeps to its share. This is the *reachable reference*.
+  see when the heavy one keeps to its share. A *reachable reference*;
+- *matched*: the fair run's own requests with the heavy tenant's surplus dropped (each of its
+  requests kept with chance 1/2 or 1/4, ``--heavy-keep``), fairness off: the very same light
+  requests, the heavy tenant at its share. The other reachable reference, printed with its
+  goodput change against the unfair run, since dropping the surplus also drops its good work.
 
 and prints one Markdown row per case, with the *fluid* reference beside it: the light reject
 rate that splitting the fair run's admissions max-min fairly by demand would give (water
@@ -121,12 +125,21 @@ def row(label: str, cases: dict[str, dict[str, Any]]) -> str:
     heavy = {k: v["fairness"]["heavy_reject_rate"] for k, v in cases.items()}
     good = {k: v["all"]["goodput_per_s"] for k, v in cases.items()}
     fluid = fluid_light_reject(fair)
-    references = (("balanced", light["balanced"]), ("fluid", fluid))
+    references = (
+        ("balanced", light["balanced"]),
+        ("matched", light["matched"]),
+        ("fluid", fluid),
+    )
     met = [name for name, ref in references if light["fair"] <= ref + 1e-9]
-    change = 100 * (good["fair"] / good["unfair"] - 1) if good["unfair"] else 0.0
+
+    def change_of(case: str) -> float:
+        return 100 * (good[case] / good["unfair"] - 1) if good["unfair"] else 0.0
+
+    change = change_of("fair")
     return (
         f"| {label} | {light['unfair']:.3f} / {light['ranked']:.3f} / **{light['fair']:.3f}**"
-        f" | {light['balanced']:.3f} | {fluid:.3f} | {', '.join(met) or 'none'}"
+        f" | {light['balanced']:.3f} | {light['matched']:.3f} ({change_of('matched'):+.1f} %)"
+        f" | {fluid:.3f} | {', '.join(met) or 'none'}"
         f" | {heavy['unfair']:.3f} / {heavy['fair']:.3f}"
         f" | {fair['fairness']['jain_index_light']:.3f} ({chance_jain(fair):.3f})"
         f" | {good['unfair']:.2f} / {good['ranked']:.2f} / {good['fair']:.2f}"
@@ -144,10 +157,10 @@ def main(argv: list[str]) -> int:
     for index, arg in enumerate(argv):
         if arg == "--set":
             settings += ["--set", argv[index + 1]]
-    print("| case | light reject: unfair / rank only / fair | balanced ref. | fluid ref. | met |"
-          " heavy reject: unfair / fair | Jain light (by chance) |"
-          " goodput/s: unfair / rank only / fair |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| case | light reject: unfair / rank only / fair | balanced ref. |"
+          " matched ref. (goodput) | fluid ref. | met | heavy reject: unfair / fair |"
+          " Jain light (by chance) | goodput/s: unfair / rank only / fair |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for run in runs:
         name, _trace, rate, _profile, _duration, cap = run
         if names and name not in names:
@@ -169,6 +182,8 @@ def main(argv: list[str]) -> int:
                         "fair": simulate(run, policy, rate, share, *given, *settings),
                         "balanced": simulate(run, policy, balanced_rate, 1 / TENANTS,
                                              "--unfair", *given),
+                        "matched": simulate(run, policy, rate, share, "--unfair",
+                                            "--heavy-keep", f"{1 / times:.4f}", *given),
                     }  # fmt: skip
                     print(row(f"{name} {shown}{tag}, heavy {times}x", cases), flush=True)
     return 0

@@ -379,7 +379,11 @@ def _plot(results: Sequence[SimulationResult], directory: Path, pyplot: Any) -> 
 def _engine_setup(
     args: argparse.Namespace, err: IO[str]
 ) -> tuple[EngineProfile, Path | None, tuple[Slowdown, ...]] | None:
-    """The engine profile (and the file it came from) and the slowdowns; None after an error."""
+    """The engine profile (and the file it came from) and the slowdowns; None after an error,
+    as after a flag given without the one it needs."""
+    if args.tenants is None and (args.heavy_share > 0 or args.heavy_keep < 1):
+        err.write("inference-guard simulate: --heavy-share and --heavy-keep need --tenants N\n")
+        return None
     try:
         slowdowns = validate_slowdowns(args.slowdowns)
     except ValueError as error:  # each window is checked by argparse; this is an overlap
@@ -459,6 +463,7 @@ def run(args: argparse.Namespace) -> int:
                 routing=parse_routing(routing, bound=args.affinity_bound),
                 tenants=args.tenants or 0,
                 heavy_share=args.heavy_share,
+                heavy_keep=args.heavy_keep,
             )
             _print_result(result, time.process_time() - started, out, pooled=pooled)
             results.append(result)
@@ -480,6 +485,7 @@ def run(args: argparse.Namespace) -> int:
                 "settings": list(args.overrides),
                 "tenants": args.tenants,
                 "heavy_share": args.heavy_share,
+                "heavy_keep": args.heavy_keep,
                 "tenant_fairness": args.tenants is not None and not args.unfair,
                 "bands": None if guard_config.flow is None else list(guard_config.flow.bands.names),
                 **(

@@ -1,7 +1,7 @@
 """``simulate``'s tenants and priority bands: the flags, the settings they make, the table.
 
-Reads: ``--tenants N``, ``--heavy-share F``, ``--bands SPEC`` (as ``PIG_PRIORITY_BANDS``) and
-``--unfair``, and a run's per-tenant figures.
+Reads: ``--tenants N``, ``--heavy-share F``, ``--heavy-keep P``, ``--bands SPEC`` (as
+``PIG_PRIORITY_BANDS``) and ``--unfair``, and a run's per-tenant figures.
 Guarantees: without these flags the guard's settings are left exactly as the environment made
 them; ``--tenants`` turns tenant fairness on (default weights) unless ``--unfair`` asks for the
 baseline with the same labels; a bad band list is an argument error naming every problem.
@@ -25,6 +25,7 @@ from guard_trio._cli_support import figure, number, whole_number, write_table
 __all__ = ("add_flow_arguments", "flow_notes", "print_fairness", "with_flow")
 
 _heavy_share = number(lambda value: 0.0 <= value < 1.0, "in [0, 1)")
+_heavy_keep = number(lambda value: 0.0 < value <= 1.0, "in (0, 1]")
 
 
 _tenant_count = whole_number(2, 1000, "tenants")
@@ -70,6 +71,14 @@ def add_flow_arguments(parser: argparse.ArgumentParser) -> None:
         help="the share of requests t0 sends (default 0: every tenant alike)",
     )
     fair.add_argument(
+        "--heavy-keep",
+        type=_heavy_keep,
+        default=1.0,
+        metavar="P",
+        help="keep each of t0's requests with chance P only, the others as they are (default 1):"
+        " the same light traffic with the heavy tenant sending less, a reference for fairness",
+    )
+    fair.add_argument(
         "--bands",
         type=_bands,
         metavar="SPEC",
@@ -87,8 +96,10 @@ def flow_notes(args: argparse.Namespace, config: GuardConfig) -> list[str]:
     notes = []
     if args.tenants is not None:
         fairness = "off" if args.unfair else "on"
+        kept = f", {args.heavy_keep:g} of it kept" if args.heavy_keep < 1 else ""
         notes.append(
-            f"{args.tenants} tenants, t0 sends {args.heavy_share:g}, tenant fairness {fairness}"
+            f"{args.tenants} tenants, t0 sends {args.heavy_share:g}{kept},"
+            f" tenant fairness {fairness}"
         )
     if config.flow is not None:
         notes.append("bands " + ",".join(config.flow.bands.names))

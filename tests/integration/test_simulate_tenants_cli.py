@@ -54,6 +54,13 @@ def test_without_tenants_the_json_has_no_fairness(tmp_path: Path) -> None:
 
 
 def test_bad_flags_exit_2() -> None:
-    for flags in (("--tenants", "1"), ("--heavy-share", "1"), ("--bands", "a:reserve=x")):
+    for flags in (
+        ("--tenants", "1"),
+        ("--heavy-share", "1"),
+        ("--bands", "a:reserve=x"),
+        ("--tenants", "5", "--heavy-keep", "0"),
+        ("--heavy-share", "0.3"),  # a heavy tenant needs --tenants
+        ("--heavy-keep", "0.5"),
+    ):
         result = cli("--trace", str(AZURE), *flags)
         assert result.returncode == 2, flags

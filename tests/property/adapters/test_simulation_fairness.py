@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from guard_adapters.config import load_config
 from guard_adapters.fairness_results import HEAVY, TenantRow, chance_jain_index, jain_index
 from guard_adapters.simulation import SimulationResult, parse_policy, simulate
-from guard_adapters.traces import head, load_trace, scale_rate, tenant_labels
+from guard_adapters.traces import head, load_trace, scale_rate, tenant_labels, thinned
 from guard_core.flow import FlowConfig
 from guard_core.tenants import TenantConfig
 
@@ -104,6 +104,45 @@ def _run(heavy_share: float, seed: int, fair: bool) -> SimulationResult:
     return simulate(
         trace, parse_policy("guard", config), seed=seed, tenants=10, heavy_share=heavy_share
     )
+
+
+@given(
+    st.lists(st.sampled_from(["t0", "t1", "t2"]), max_size=60),
+    st.floats(0.01, 1.0),
+    st.integers(0, 5),
+)
+def test_thinning_keeps_every_other_tenant_and_is_pure(
+    labels: list[str], keep: float, seed: int
+) -> None:
+    kept = thinned(labels, HEAVY, keep, seed=seed)
+    assert kept == thinned(labels, HEAVY, keep, seed=seed)
+    assert all(k for label, k in zip(labels, kept, strict=True) if label != HEAVY)
+    if keep == 1.0:
+        assert all(kept)
+    with pytest.raises(ValueError, match="kept share"):
+        thinned(labels, HEAVY, 0.0, seed=seed)
+
+
+def test_a_thinned_heavy_tenant_leaves_the_light_requests_as_they_were() -> None:
+    trace = head(scale_rate(load_trace(AZURE), 1.5), 120)
+    config = load_config({"UPSTREAM": "http://sim:1", "GLOBAL_LIMIT": "40"}).guard_config()
+    policy = parse_policy("guard", config)
+    whole = simulate(trace, policy, tenants=10, heavy_share=4 / 13)
+    thin = simulate(trace, policy, tenants=10, heavy_share=4 / 13, heavy_keep=0.25)
+
+    def arrivals(result: SimulationResult, heavy: bool) -> list[tuple[str, float, int]]:
+        return [
+            (o.tenant, o.arrival_s, o.prompt_tokens)
+            for o in result.requests
+            if (o.tenant == HEAVY) == heavy
+        ]
+
+    assert arrivals(thin, heavy=False) == arrivals(whole, heavy=False)
+    sent, kept = len(arrivals(whole, heavy=True)), len(arrivals(thin, heavy=True))
+    assert 0.15 * sent <= kept <= 0.35 * sent
+    assert set(arrivals(thin, heavy=True)) <= set(arrivals(whole, heavy=True))
+    with pytest.raises(ValueError, match="heavy_keep"):
+        simulate(trace, policy, tenants=10, heavy_share=0.3, heavy_keep=1.5)
 
 
 def test_the_rows_count_every_request_once() -> None:
