@@ -8,7 +8,9 @@ what it ever asks for: it should not be refused at all, while the heavy tenant t
 refusals (measured: none of 39 light requests refused, 23 of 135 heavy ones). The same traffic
 without ``PIG_TENANT_HEADER`` shows the contrast: the light tenants are refused like the heavy
 one (measured: 7 of 22 light, 54 of 193 heavy). The metrics page's flow block is checked on the
-way, and bands are picked by the tier header.
+way, and bands are picked by the tier header. With ``GLOBAL_LIMIT=21`` (20 basic slots) the
+default spare keeps 2 slots from the heavy tenant while it is ahead: up to 2, never more, stay
+free while it waits, and none with the spare off.
 """
 
 from __future__ import annotations
@@ -118,3 +120,61 @@ async def test_bands_pick_by_the_tier_header_and_a_zero_wait_band_never_waits(
     assert flow.config.bands.names == ("premium", "standard", "batch")
     body = json.dumps(flow.inflight)
     assert body == "[0, 0, 0]"  # everything ended
+
+
+async def _bursts(http: Any, guard: str, tenant: str, until: float, pause_s: float) -> None:
+    """Two requests at once, then a pause: the tenant's slots free while it rests."""
+    headers = [*AUTH, ("X-Tenant", tenant)]
+    while trio.current_time() < until:
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(http.request, guard, "POST", CHAT, headers, chat_body(12))
+        await trio.sleep(pause_s)
+
+
+async def _free_while_the_heavy_one_waits(
+    http: Any, guard: str, server: Any, *, heavy_clients: int = 48, run_s: float = 3.0
+) -> int:
+    """The most slots of the basic band (20) found free while the heavy tenant had requests
+    waiting, after the first second; one light tenant keeps a request outstanding and two
+    others come in bursts, so the band mostly has tenants behind the heavy one. Checks that
+    the heavy tenant was seen waiting often (there was contention)."""
+    counts: dict[str, list[int]] = {name: [] for name in ("heavy", *LIGHT)}
+    start = trio.current_time()
+    until = start + run_s
+    most = seen = 0
+
+    async def sample() -> None:
+        nonlocal most, seen
+        while trio.current_time() < until:
+            flow = server.engine.state.flow
+            entry = flow.table.entries.get((1, "heavy"))  # band 1: basic
+            late = trio.current_time() > start + 1.0
+            if late and entry is not None and entry.waiting > 0:
+                most, seen = max(most, 20 - flow.inflight[1]), seen + 1
+            await trio.sleep(0.002)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sample)
+        for _ in range(heavy_clients):
+            nursery.start_soon(_client, http, guard, "heavy", until, counts)
+        nursery.start_soon(_client, http, guard, LIGHT[0], until, counts)
+        for name in LIGHT[1:]:
+            nursery.start_soon(_bursts, http, guard, name, until, 0.3)
+    assert seen >= 50, f"the heavy tenant was seen waiting only {seen} times: no contention"
+    return most
+
+
+async def test_the_spare_keeps_slots_for_the_tenants_behind_through_the_proxy(
+    start_sim: Any, start_guard: Any, http: Any
+) -> None:
+    # GLOBAL_LIMIT=21: the basic band holds 20, so PIG_TENANT_SPARE's default 0.1 keeps 2 slots
+    # that the heavy tenant, ahead of the band, may not take: while it waits, up to 2 slots
+    # (never more) stay free for the tenants behind. With the spare off, no slot is ever free
+    # while anyone waits (work-conserving).
+    sim, _ = await start_sim()
+    env = _env(sim, PIG_TENANT_HEADER="X-Tenant", GLOBAL_LIMIT="21")
+    guard, server = await start_guard(env)
+    assert await _free_while_the_heavy_one_waits(http, guard, server) == 2
+    guard, server = await start_guard({**env, "PIG_TENANT_SPARE": "0"})
+    assert await _free_while_the_heavy_one_waits(http, guard, server) == 0
