@@ -12,13 +12,16 @@ Guarantees:
   (:func:`guard_core.backend_choice.choose_backend`) does otherwise, and whenever the router
   finds no backend;
 - a backend in ``tried`` is never picked; ``None`` when no backend may take the request;
-- the pick says whether it is the backend's half-open probe, for the shell to tell the core;
+- the pick says whether it is the backend's half-open probe, for the shell to tell the core,
+  and what chose it: the pool router's rule (``affinity``, ``ranked``) or PIG's backend choice
+  (``choice``);
 - pure: the same inputs give the same pick.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 import attrs
 
@@ -26,9 +29,14 @@ from guard_core.affinity import DEFAULT_BOUND, Ring
 from guard_core.backend_choice import backend_views, choose_backend, is_probe
 from guard_core.guard import GuardState, prompt_tokens_of
 from guard_core.placements import cached_tokens
-from guard_core.pool_routing import candidates, route
+from guard_core.pool_routing import RouteReason, candidates, route
 
-__all__ = ("Pick", "Routing", "pick_backend")
+__all__ = ("CHOICE", "REASONS", "Pick", "Routing", "pick_backend")
+
+#: What chose a pick the pool router did not make: PIG's backend choice.
+CHOICE: Final = "choice"
+#: Every reason a pick can give, the pool router's rules first.
+REASONS: Final = (*(str(reason) for reason in RouteReason), CHOICE)
 
 
 @attrs.frozen
@@ -44,10 +52,12 @@ class Routing:
 
 @attrs.frozen
 class Pick:
-    """The backend's index in the names given, and whether the request is its probe."""
+    """The backend's index in the names given, whether the request is its probe, and what
+    chose it (one of :data:`REASONS`)."""
 
     index: int
     probe: bool
+    reason: str = CHOICE
 
 
 def pick_backend(
@@ -64,6 +74,7 @@ def pick_backend(
     policy = state.config.policy
     views = backend_views(names, state.published, state.traffic, state.health)
     chosen: int | None = None
+    reason = CHOICE
     if routing.ring is not None:
         predictive = state.predictive
         capacity = None
@@ -87,7 +98,8 @@ def pick_backend(
             cached=cached,
         )
         routed = route(pool, ring=routing.ring, key=key, bound=routing.bound)
-        chosen = None if routed is None else routed.index
+        if routed is not None:
+            chosen, reason = routed.index, str(routed.reason)
     if chosen is None:
         chosen = choose_backend(
             views,
@@ -100,4 +112,4 @@ def pick_backend(
         )
     if chosen is None:
         return None
-    return Pick(chosen, is_probe(views[chosen], now=now))
+    return Pick(chosen, is_probe(views[chosen], now=now), reason)

@@ -16,6 +16,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Final
 
+from guard_core.backend_pick import REASONS
 from guard_core.evaluation import SEMANTIC_TTFT_BUCKETS
 from guard_core.lanes import Lane
 from guard_core.tier import Tier
@@ -160,6 +161,7 @@ class BackendMetrics:
         "name",
         "poll_failed",
         "proxy_errors",
+        "routed",
         "upstream",
     )
 
@@ -173,3 +175,5 @@ class BackendMetrics:
         self.completed = EventCounter()
         self.proxy_errors = EventCounter()
         self.body_copy_errors = EventCounter()
+        #: ``inference_guard_backend_routed_total{reason=...}``: picks of it, by what chose.
+        self.routed = {reason: EventCounter() for reason in REASONS}

@@ -225,6 +225,14 @@ BACKEND_ROWS: Final[tuple[Row, ...]] = (
 )  # fmt: skip
 
 
+def _backend_routed(s: Scrape) -> Pairs:
+    return [
+        ({"name": b.name, "reason": reason}, counter.value)
+        for b in s.backends
+        for reason, counter in b.routed.items()
+    ]
+
+
 def _health_of(s: Scrape, b: BackendMetrics) -> BackendHealth:
     return s.of(b.name).health.of(b.name) or BackendHealth(name=b.name)
 
@@ -249,6 +257,10 @@ HEALTH_ROWS: Final[tuple[Row, ...]] = (
             _per_backend(lambda s, b: _health_of(s, b).probes), "name"),
     counter(_HEALTH + "full_total", "Requests its engine refused as full (503 or 429).",
             _per_backend(lambda s, b: _health_of(s, b).full_marks), "name"),
+    counter(_HEALTH + "routed_total",
+            "Times it was picked, by what chose it: the pool router's prefix affinity or"
+            " ranking (PIG_ROUTING=guard) or PIG's backend choice.", _backend_routed,
+            "name,reason"),
 )  # fmt: skip
 
 

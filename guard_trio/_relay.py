@@ -131,6 +131,7 @@ class Relay:
             return None
         if picked.probe:
             engine.tell(ProbeSent, self.target_names[picked.index])
+        self.backend_metrics[picked.index].routed[picked.reason].inc()
         return picked.index, picked.probe
 
     async def forward(  # noqa: PLR0915 - one request's attempts, read top to bottom

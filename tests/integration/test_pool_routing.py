@@ -92,6 +92,23 @@ async def test_a_conversation_or_a_session_keeps_its_backend(
         sessions |= set((accepted(server) - before).keys())
     assert len(sessions) == 1
 
+    # Every pick was the pool router's, and the metrics page says by which rule: the later
+    # turns of each conversation and the session's requests found their backend by affinity.
+    routed = {
+        reason: sum(int(b.routed[reason].value) for b in server.metrics.backends.values())
+        for reason in ("affinity", "ranked", "choice")
+    }
+    assert routed["choice"] == 0
+    assert routed["affinity"] + routed["ranked"] == sum(accepted(server).values()) == 38
+    assert routed["affinity"] >= 8 * 3 + 5, routed
+    page = server.metrics.exposition().decode()
+    affinity = sum(
+        float(line.rpartition(" ")[2])
+        for line in page.splitlines()
+        if line.startswith("inference_guard_backend_routed_total{") and 'reason="affinity"' in line
+    )
+    assert affinity == routed["affinity"]
+
 
 async def test_a_hot_prefix_is_spread_within_the_load_bound(
     start_sim: Any, start_guard: Any, http: Any, until: Any

@@ -3,13 +3,14 @@ the pool router with one, never a backend already tried."""
 
 from __future__ import annotations
 
+import attrs
 from hypothesis import given
 from hypothesis import strategies as st
 
 from guard_core import GuardConfig, GuardState
 from guard_core.affinity import build_ring
 from guard_core.backend_choice import backend_views, choose_backend
-from guard_core.backend_pick import Routing, pick_backend
+from guard_core.backend_pick import CHOICE, REASONS, Routing, pick_backend
 from guard_core.guard import apply_health_event, apply_traffic_event
 from guard_core.health import BackendFailed, Failure
 from guard_core.traffic import BackendForwarded
@@ -50,6 +51,28 @@ def test_without_a_ring_the_pick_is_pig_choice(
         tried=tried,
     )
     assert (None if picked is None else picked.index) == expected
+    assert picked is None or picked.reason == CHOICE
+
+
+@given(loads, failures, tried_sets, keys)
+def test_with_a_ring_the_pick_names_the_router_rule_that_chose(
+    inflight: list[int], failed: list[int], tried: frozenset[int], key: int | None
+) -> None:
+    state = pool_state(inflight, failed)
+    ring = build_ring(NAMES)
+    routing = Routing(poll_interval_s=1.0, dynamic=True, ring=ring)
+    picked = pick_backend(state, NAMES, routing, now=2.0, key=key, tried=tried)
+    if picked is None:
+        return
+    assert picked.reason in REASONS
+    if picked.reason == CHOICE:
+        # Only when the router found no candidate: PIG's choice then picked the same backend
+        # it picks without a ring.
+        plain = pick_backend(state, NAMES, attrs.evolve(routing, ring=None), now=2.0, tried=tried)
+        assert plain is not None
+        assert plain.index == picked.index
+    if picked.reason == "affinity":
+        assert key is not None  # affinity needs a prefix key
 
 
 @given(loads, failures, tried_sets, keys, st.booleans())
