@@ -131,7 +131,10 @@ the gateway), else the body's OpenAI `user` field, else a hash of the prompt's f
 `PIG_AFFINITY_PREFIX_BYTES` bytes (the chat messages in order, or `prompt`). Requests that share
 a prefix then share a backend's prefix cache. A body the guard streams rather than holds gives
 no prefix key. The router never picks an ejected or full backend while another can take the
-request. `simulate --routing` measures the router (docs/simulation.md).
+request. `simulate --routing` measures the router (docs/simulation.md). With several
+backends, `inference_guard_backend_routed_total{name,reason}` counts each backend's picks by
+what chose it: `affinity` (its key's backend had room), `ranked` (the best-ranked backend with
+room) or `choice` (PIG's load score: `PIG_ROUTING=pig`, or the router found no backend).
 
 `PIG_POOLS` (`model=backend,backend;model=backend`, backend names from `BACKENDS`, or
 `discover`) routes by model. With `discover` the guard asks each backend's `/v1/models` at

@@ -112,6 +112,7 @@ inference_guard_backend_consecutive_failures        G name
 inference_guard_backend_ejections_total             C name
 inference_guard_backend_probes_total                C name
 inference_guard_backend_full_total                  C name
+inference_guard_backend_routed_total                C name,reason
 pig_dynamic_state_info                              I state,source
 pig_dynamic_last_update_seconds                     G
 pig_dynamic_error_info                              I? message
