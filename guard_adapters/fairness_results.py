@@ -71,10 +71,13 @@ def jain_index(values: Sequence[float]) -> float | None:
     """``(sum x)^2 / (n * sum x^2)``; 1 for no spread; ``None`` for no values, 1 for all 0."""
     if not values:
         return None
-    squares = sum(v * v for v in values)
-    if squares == 0:
+    largest = max(abs(v) for v in values)
+    if largest == 0:
         return 1.0
-    return sum(values) ** 2 / (len(values) * squares)
+    # The index does not change with scale: divided by the largest, tiny values do not
+    # underflow when squared.
+    scaled = [v / largest for v in values]
+    return sum(scaled) ** 2 / (len(scaled) * sum(v * v for v in scaled))
 
 
 def chance_jain_index(rows: Sequence[TenantRow]) -> float | None:
