@@ -355,7 +355,7 @@ def refused(
     keep = spare_slots(config, slots)
     if keep > 0 and free <= keep and ahead(table, config, band, tenant, slots=slots, at=at):
         return True
-    return _passed_over(table, config, band, tenant, (slots, free, keep), at=at)
+    return _passed_over(table, config, band, tenant, slots=slots, free=free, keep=keep, at=at)
 
 
 def _passed_over(
@@ -363,13 +363,13 @@ def _passed_over(
     config: TenantConfig,
     band: int,
     tenant: str,
-    room: tuple[int, int, int],
     *,
+    slots: int,
+    free: int,
+    keep: int,
     at: float,
 ) -> bool:
-    """The ranking part of :func:`refused`; ``room`` is the band's slots, the free ones and
-    the spare."""
-    slots, free, keep = room
+    """The ranking part of :func:`refused`; ``keep`` is the band's spare."""
     entries = table.entries
     actives = [(t, s) for (b, t), s in entries.items() if b == band and s.active]
     if not any(t != tenant and s.waiting > 0 for t, s in actives):

@@ -52,6 +52,7 @@ from guard_trio._cli_support import (
 )
 from guard_trio.tools._simulate_fairness import (
     add_flow_arguments,
+    flow_flags_ok,
     flow_notes,
     print_fairness,
     with_flow,
@@ -379,11 +380,7 @@ def _plot(results: Sequence[SimulationResult], directory: Path, pyplot: Any) -> 
 def _engine_setup(
     args: argparse.Namespace, err: IO[str]
 ) -> tuple[EngineProfile, Path | None, tuple[Slowdown, ...]] | None:
-    """The engine profile (and the file it came from) and the slowdowns; None after an error,
-    as after a flag given without the one it needs."""
-    if args.tenants is None and (args.heavy_share > 0 or args.heavy_keep < 1):
-        err.write("inference-guard simulate: --heavy-share and --heavy-keep need --tenants N\n")
-        return None
+    """The engine profile (and the file it came from) and the slowdowns; None after an error."""
     try:
         slowdowns = validate_slowdowns(args.slowdowns)
     except ValueError as error:  # each window is checked by argparse; this is an overlap
@@ -407,7 +404,11 @@ def run(args: argparse.Namespace) -> int:
                 ' install it with: pip install "inference-guard[plot]"\n'
             )
             return 2
-    settings = settings_with("simulate", BASE_ENVIRONMENT, args.overrides, err)
+    settings = (
+        settings_with("simulate", BASE_ENVIRONMENT, args.overrides, err)
+        if flow_flags_ok(args, err)
+        else None
+    )
     if settings is None:
         return 2
     engine = _engine_setup(args, err)

@@ -22,7 +22,7 @@ from guard_core.guard import GuardConfig
 from guard_core.tenants import TenantConfig
 from guard_trio._cli_support import figure, number, whole_number, write_table
 
-__all__ = ("add_flow_arguments", "flow_notes", "print_fairness", "with_flow")
+__all__ = ("add_flow_arguments", "flow_flags_ok", "flow_notes", "print_fairness", "with_flow")
 
 _heavy_share = number(lambda value: 0.0 <= value < 1.0, "in [0, 1)")
 _heavy_keep = number(lambda value: 0.0 < value <= 1.0, "in (0, 1]")
@@ -52,6 +52,14 @@ def with_flow(
     if flow == FlowConfig() and config.flow is None:
         return config  # nothing asked for: the gate alone, as before
     return attrs.evolve(config, flow=flow)
+
+
+def flow_flags_ok(args: argparse.Namespace, err: IO[str]) -> bool:
+    """False (the reason written to ``err``) when a flag is given without one it needs."""
+    if args.tenants is None and (args.heavy_share > 0 or args.heavy_keep < 1):
+        err.write("inference-guard simulate: --heavy-share and --heavy-keep need --tenants N\n")
+        return False
+    return True
 
 
 def add_flow_arguments(parser: argparse.ArgumentParser) -> None:
