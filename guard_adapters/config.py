@@ -463,6 +463,7 @@ class Environment:
     pig_tenant_recent_seconds: float = FROM_CONFIG
     pig_tenant_ahead_margin: float = FROM_CONFIG
     pig_tenant_spare: float = FROM_CONFIG
+    pig_tenant_lend: bool = FROM_CONFIG
     # -- spec 2.7: SSE
     sse_keepalive_enabled: bool = False
     sse_early_bridge_enabled: bool = False

@@ -15,8 +15,9 @@ Guarantees:
   apply; with :data:`~guard_core.bands.PIG_BANDS`, the band rules refuse exactly what PIG's
   tier rule refuses;
 - with tenants, :func:`refusal` adds the tenant rules of :mod:`guard_core.tenants` (fair
-  order, the spare), and :func:`spare_reserve` gives a learner that predicts the room a tenant
-  ahead must leave; a finished request's output tokens add to its tenant's attained service;
+  order, the spare, and strict shares with ``PIG_TENANT_LEND=false``), and
+  :func:`spare_reserve` gives a learner that predicts the room a tenant ahead must leave; a
+  finished request's output tokens add to its tenant's attained service;
 - :func:`retry_order` ranks the waiters as :func:`refusal` does (band, then tenant, then
   arrival), for a runtime to retry them in: the short wait served in fair order; a runtime
   makes at most :data:`RETRY_PASSES` passes over that order per wake-up and stops a pass once
@@ -117,6 +118,8 @@ def refusal(
         return None
     slots, free = _room(flow, band, limit=limit, inflight=inflight)
     table = flow.table
+    if not tenants.lend and tenant_rules.at_share(table, tenants, band, tenant, slots=slots):
+        return RejectCode.TIER_PRIORITY
     if tenant_rules.refused(table, tenants, band, tenant, slots=slots, free=free, at=at):
         return RejectCode.TIER_PRIORITY
     return None

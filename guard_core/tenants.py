@@ -22,6 +22,9 @@ Guarantees:
   by it. So a free slot is left to nobody only while no more than the spare is free and every
   waiter is ahead; with ``spare`` 0 (or a band too small for one whole spare slot) never
   (work-conserving);
+- with ``lend`` off (:func:`at_share`), a tenant holding its weighted fair share of the band's
+  slots (rounded down, at least one) takes no more, free slots or not: strict shares, not
+  work-conserving;
 - attained service is read clamped to ``[floor, floor + max_lag]`` where ``floor`` is the least
   service among the band's active tenants: a newcomer cannot starve the others by its empty
   history, and a tenant that was served much in the past is passed over for at most
@@ -49,6 +52,7 @@ __all__ = (
     "TenantTable",
     "admitted",
     "ahead",
+    "at_share",
     "fair_share",
     "left_queue",
     "queued",
@@ -105,6 +109,10 @@ class TenantConfig:
     #: ``PIG_TENANT_SPARE``: the share of a band's slots a tenant ahead may not take: it gets a
     #: free slot only while more than that many are free, so the others find room (0: off).
     spare: float = setting(0.1, env="PIG_TENANT_SPARE", rules=(Within(0, 1),))
+    #: ``PIG_TENANT_LEND``: whether a tenant may hold more than its weighted fair share of its
+    #: band's slots while they are free (work-conserving); off, it never does (strict shares:
+    #: what the others leave free stays free).
+    lend: bool = setting(True, env="PIG_TENANT_LEND")
 
     def __attrs_post_init__(self) -> None:
         require_valid(self)
@@ -330,6 +338,16 @@ def ahead(
     stats = table.entries.get((band, tenant), TenantStats())
     share = fair_share(table, config, band, tenant, slots)
     return _is_ahead(stats, config, tenant, level=level, share=share, at=at)
+
+
+def at_share(
+    table: TenantTable, config: TenantConfig, band: int, tenant: str, *, slots: int
+) -> bool:
+    """``tenant`` holds all the band's ``slots`` its weighted fair share allows: the share
+    rounded down, but at least one (so a band with more tenants than slots still serves)."""
+    held = table.entries.get((band, tenant), TenantStats()).inflight
+    share = fair_share(table, config, band, tenant, slots)
+    return held >= max(1, math.floor(share + _EPSILON))
 
 
 def spare_slots(config: TenantConfig, slots: int) -> int:

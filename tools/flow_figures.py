@@ -1,9 +1,9 @@
 """Measure tenant fairness with ``simulate`` (docs/flow-control.md's tables).
 
 ``python tools/flow_figures.py [--quick] [--policy=fixed|guard|predictive ...] [--run=NAME ...]
-[--seed=N] [--set VAR=VALUE ...]``: for each trace and policy, a heavy tenant (``t0``) sending
-2x and 4x what each of the 9 light tenants sends, alone in its band or with three bands, run
-five ways:
+[--seed=N] [--jobs=N] [--set VAR=VALUE ...]``: for each trace and policy, a heavy tenant
+(``t0``) sending 2x and 4x what each of the 9 light tenants sends, alone in its band or with
+three bands, run six ways:
 
 - *unfair*: the same labels, tenant fairness off (the baseline of the goodput criterion);
 - *rank only*: tenant fairness with ``PIG_TENANT_SPARE=0`` (ranked waiters, no spare slots);
@@ -15,6 +15,9 @@ five ways:
   requests kept with chance 1/2 or 1/4, ``--heavy-keep``), fairness off: the very same light
   requests, the heavy tenant at its share. The other reachable reference, printed with its
   goodput change against the unfair run, since dropping the surplus also drops its good work.
+- *share*: tenant fairness with strict shares (``PIG_TENANT_LEND=false``): every tenant held to
+  its weighted fair share of the band's slots, nothing lent. The reject rate each tenant's fair
+  share gives it when it gets exactly that share; printed with its goodput change.
 
 and prints one Markdown row per case, with the *fluid* reference beside it: the light reject
 rate that splitting the fair run's admissions max-min fairly by demand would give (water
@@ -24,7 +27,8 @@ a 0.5 s wait and requests that hold a slot for seconds cannot. ``met`` says whic
 the fair run's light reject rate is at or below. Beside the fair run's Jain index over the
 light tenants stands, in brackets, the index they would score *by chance alone* if every light
 request had the same chance of being good: with few requests per tenant a perfectly fair
-server scores below 1. One simulation at a time (a few CPU seconds each).
+server scores below 1. ``--jobs=N`` runs N simulations at a time (a few CPU seconds each; one
+by default); the rows come out in the same order.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +133,7 @@ def row(label: str, cases: dict[str, dict[str, Any]]) -> str:
     references = (
         ("balanced", light["balanced"]),
         ("matched", light["matched"]),
+        ("share", light["share"]),
         ("fluid", fluid),
     )
     met = [name for name, ref in references if light["fair"] <= ref + 1e-9]
@@ -139,6 +145,7 @@ def row(label: str, cases: dict[str, dict[str, Any]]) -> str:
     return (
         f"| {label} | {light['unfair']:.3f} / {light['ranked']:.3f} / **{light['fair']:.3f}**"
         f" | {light['balanced']:.3f} | {light['matched']:.3f} ({change_of('matched'):+.1f} %)"
+        f" | {light['share']:.3f} ({change_of('share'):+.1f} %)"
         f" | {fluid:.3f} | {', '.join(met) or 'none'}"
         f" | {heavy['unfair']:.3f} / {heavy['fair']:.3f}"
         f" | {fair['fairness']['jain_index_light']:.3f} ({chance_jain(fair):.3f})"
@@ -154,38 +161,50 @@ def main(argv: list[str]) -> int:
     settings: list[str] = []
     seeds = [arg.removeprefix("--seed=") for arg in argv if arg.startswith("--seed=")]
     seeded = ("--seed", seeds[-1]) if seeds else ()
+    jobs = [int(arg.removeprefix("--jobs=")) for arg in argv if arg.startswith("--jobs=")]
     for index, arg in enumerate(argv):
         if arg == "--set":
             settings += ["--set", argv[index + 1]]
     print("| case | light reject: unfair / rank only / fair | balanced ref. |"
-          " matched ref. (goodput) | fluid ref. | met | heavy reject: unfair / fair |"
-          " Jain light (by chance) | goodput/s: unfair / rank only / fair |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for run in runs:
-        name, _trace, rate, _profile, _duration, cap = run
-        if names and name not in names:
-            continue
-        for policy in POLICIES:
-            if only and policy not in only:
+          " matched ref. (goodput) | share ref. (goodput) | fluid ref. | met |"
+          " heavy reject: unfair / fair | Jain light (by chance) |"
+          " goodput/s: unfair / rank only / fair |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    pending: list[tuple[str, dict[str, Future[dict[str, Any]]]]] = []
+    with ThreadPoolExecutor(max_workers=max(1, jobs[-1] if jobs else 1)) as pool:
+        for run in runs:
+            name, _trace, rate, _profile, _duration, cap = run
+            if names and name not in names:
                 continue
-            for bands in ((), ("--bands", BANDS, "--premium-share", "0.1")):
-                given = (*bands, *seeded)
-                tag = ", 3 bands" if bands else ""
-                for times in (2, 4):
-                    share = times / (TENANTS - 1 + times)
-                    balanced_rate = rate * (1 - share) / (1 - 1 / TENANTS)
-                    shown = f"fixed {cap}" if policy == "fixed" else policy
-                    cases = {
-                        "unfair": simulate(run, policy, rate, share, "--unfair", *given),
-                        "ranked": simulate(run, policy, rate, share, *given, *settings,
-                                           "--set", "PIG_TENANT_SPARE=0"),
-                        "fair": simulate(run, policy, rate, share, *given, *settings),
-                        "balanced": simulate(run, policy, balanced_rate, 1 / TENANTS,
-                                             "--unfair", *given),
-                        "matched": simulate(run, policy, rate, share, "--unfair",
-                                            "--heavy-keep", f"{1 / times:.4f}", *given),
-                    }  # fmt: skip
-                    print(row(f"{name} {shown}{tag}, heavy {times}x", cases), flush=True)
+            for policy in POLICIES:
+                if only and policy not in only:
+                    continue
+                for bands in ((), ("--bands", BANDS, "--premium-share", "0.1")):
+                    given = (*bands, *seeded)
+                    tag = ", 3 bands" if bands else ""
+                    for times in (2, 4):
+                        share = times / (TENANTS - 1 + times)
+                        balanced_rate = rate * (1 - share) / (1 - 1 / TENANTS)
+                        shown = f"fixed {cap}" if policy == "fixed" else policy
+                        cases = {
+                            "unfair": (rate, share, "--unfair", *given),
+                            "ranked": (rate, share, *given, *settings,
+                                       "--set", "PIG_TENANT_SPARE=0"),
+                            "fair": (rate, share, *given, *settings),
+                            "balanced": (balanced_rate, 1 / TENANTS, "--unfair", *given),
+                            "matched": (rate, share, "--unfair", "--heavy-keep",
+                                        f"{1 / times:.4f}", *given),
+                            "share": (rate, share, *given, *settings,
+                                      "--set", "PIG_TENANT_LEND=false"),
+                        }  # fmt: skip
+                        futures = {
+                            case: pool.submit(simulate, run, policy, *args)
+                            for case, args in cases.items()
+                        }
+                        pending.append((f"{name} {shown}{tag}, heavy {times}x", futures))
+        for label, futures in pending:
+            results = {case: future.result() for case, future in futures.items()}
+            print(row(label, results), flush=True)
     return 0
 
 

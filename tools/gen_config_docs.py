@@ -117,7 +117,9 @@ past counts against it for at most `PIG_TENANT_MAX_LAG` requests), and a share n
 except a spare: a tenant that holds its share of slots and whose recent service (fading by `e` every
 `PIG_TENANT_RECENT_SECONDS`) per weight is over `1 + PIG_TENANT_AHEAD_MARGIN` times its band's takes
 a free slot only while more than `PIG_TENANT_SPARE` of the band's slots are free (0: no spare).
-`PIG_TENANT_MAX` tenants are tracked; more share one `other` entry.
+`PIG_TENANT_LEND=false` lends nothing: a tenant never takes more than its share (rounded down, at
+least one slot), even with slots free. `PIG_TENANT_MAX` tenants are tracked; more share one `other`
+entry.
 """,
     "inference-guard's routing among several backends (docs/serve.md)": """
 `PIG_ROUTING` picks how a request chooses among several backends. `pig` (the default) is PIG's

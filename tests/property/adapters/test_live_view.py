@@ -236,6 +236,7 @@ def test_steady_traffic_gives_the_counts_growth_per_second(
     assert basic.admitted_total == 7 + (rounds - 1) * admitted_per_round
     # The base of the rates is within the window, or the previous round when that is older.
     base = view.samples[0].at
+    assert base is not None  # a timed decision: each round publishes one at its own time
     assert ats[-1] - base <= max(window, spacing) * (1 + 1e-9)
 
 
