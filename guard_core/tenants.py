@@ -373,21 +373,7 @@ def refused(
     keep = spare_slots(config, slots)
     if keep > 0 and free <= keep and ahead(table, config, band, tenant, slots=slots, at=at):
         return True
-    return _passed_over(table, config, band, tenant, slots=slots, free=free, keep=keep, at=at)
-
-
-def _passed_over(
-    table: TenantTable,
-    config: TenantConfig,
-    band: int,
-    tenant: str,
-    *,
-    slots: int,
-    free: int,
-    keep: int,
-    at: float,
-) -> bool:
-    """The ranking part of :func:`refused`; ``keep`` is the band's spare."""
+    # The ranking: would the better-ranked waiters take every free slot first?
     entries = table.entries
     actives = [(t, s) for (b, t), s in entries.items() if b == band and s.active]
     if not any(t != tenant and s.waiting > 0 for t, s in actives):
