@@ -80,7 +80,7 @@ class UpstreamConnection:
         self._interim = 0
 
     async def send(self, *events: h11.Event) -> None:
-        data = b"".join(self.h11.send(event) or b"" for event in events)
+        data = b"".join([self.h11.send(event) or b"" for event in events])  # a list: one call
         if data:
             try:
                 if not self.sent_any and self._sock is not None:
