@@ -322,14 +322,21 @@ def hop_by_hop(headers: Headers) -> frozenset[bytes]:
 
 def content_length(headers: Headers) -> int | None:
     """The one declared body length, or None (none, several, chunked, not a number)."""
-    values = header_values(headers, b"content-length")
-    if len(values) != 1 or header_values(headers, b"transfer-encoding"):
+    declared: bytes | None = None
+    for key, value in headers:  # one pass, no call per header: it is read on every request
+        if key == b"content-length":
+            if declared is not None:
+                return None
+            declared = value
+        elif key == b"transfer-encoding":
+            return None
+    if declared is None:
         return None
     try:
-        value = int(values[0])
+        length = int(declared)
     except ValueError:
         return None
-    return value if value >= 0 else None
+    return length if length >= 0 else None
 
 
 def is_chunked(headers: Headers) -> bool:
@@ -354,8 +361,10 @@ def framed(headers: Headers) -> list[tuple[bytes, bytes]]:
     all: no framing means no body (RFC 9112 6.3), and the backend is told so rather than given
     an empty body re-framed as chunked."""
     kept = list(headers)
-    if not any(name in (b"content-length", b"transfer-encoding") for name, _ in kept):
-        kept.append((b"content-length", b"0"))
+    for name, _ in kept:  # a loop, not any() over a generator: no call per header
+        if name in (b"content-length", b"transfer-encoding"):
+            return kept
+    kept.append((b"content-length", b"0"))
     return kept
 
 

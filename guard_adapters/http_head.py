@@ -101,21 +101,32 @@ def head_problem(
     controls (``Content_Length``, ``X_PIG_Tier``), all 400."""
     if len(headers) > MAX_REQUEST_HEADERS:
         return 431, "too many header lines"
-    line = len(method) + len(target) + 12
-    if line + sum(len(name) + len(value) + 4 for name, value in headers) > MAX_REQUEST_HEAD_BYTES:
+    # One pass over the headers, with no call per line: this runs on every request h11 reads.
+    size = len(method) + len(target) + 12
+    length = chunked = upgrade = alias = False
+    for name, value in headers:
+        size += len(name) + len(value) + 4
+        if name == b"content-length":
+            length = True
+        elif name == b"transfer-encoding":
+            chunked = True
+        elif name == b"upgrade":
+            upgrade = True
+        elif b"_" in name and not alias:
+            alias = _sensitive_alias(name)
+    if size > MAX_REQUEST_HEAD_BYTES:
         return 431, "request head too large"
-    names = {name for name, _ in headers}
-    if b"content-length" in names and b"transfer-encoding" in names:
+    if length and chunked:
         return 400, "both Content-Length and Transfer-Encoding"
     if http_version not in (b"1.0", b"1.1"):
         return 400, "unsupported HTTP version"
-    if http_version == b"1.0" and b"transfer-encoding" in names:
+    if http_version == b"1.0" and chunked:
         return 400, "Transfer-Encoding on HTTP/1.0"
     if method == b"CONNECT" or not target.startswith(b"/"):
         return 400, "request target is not origin-form"
-    if b"upgrade" in names:
+    if upgrade:
         return 400, "protocol upgrades are not proxied"
-    if any(b"_" in name and _sensitive_alias(name) for name in names):
+    if alias:
         return 400, "underscore alias of a header the guard controls"
     return None
 

@@ -73,9 +73,12 @@ async def send_head(
     """Send the head together with any body bytes already read; False if the body ended."""
     first = up.buffered_event()
     if isinstance(first, h11.Data):
-        await down.send(head, h11.Data(data=first.data))
-        watch.saw(bytes(first.data))
-        return True
+        # A sized body read whole with its head: its end goes out in the same write.
+        data = bytes(first.data)
+        data, ended = up.drain_buffered(data) if up.sized else (data, False)
+        await down.send(head, h11.Data(data=data), *((h11.EndOfMessage(),) if ended else ()))
+        watch.saw(data)
+        return not ended
     if isinstance(first, h11.EndOfMessage):
         await down.send(head, h11.EndOfMessage())
         return False

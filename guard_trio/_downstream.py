@@ -284,13 +284,13 @@ class Downstream:
             pass
 
     async def send(self, *events: h11.Event) -> None:
-        if any(isinstance(event, h11.Response) for event in events) and (
-            self.closing or self.h11.their_state is h11.SEND_BODY
+        if (self.closing or self.h11.their_state is h11.SEND_BODY) and any(
+            isinstance(event, h11.Response) for event in events
         ):
             # An early response: the unread body would be parsed as the next request.
             self.closing = True
             events = tuple(with_close(event) for event in events)
-        data = b"".join(self.h11.send(event) or b"" for event in events)
+        data = b"".join([self.h11.send(event) or b"" for event in events])  # a list: one call
         if data:
             await self.send_raw(data)
 
@@ -315,7 +315,7 @@ class Downstream:
     def frame(self, *events: h11.Event) -> bytes:
         """The bytes h11 would send for ``events`` (its state advances): for a caller that
         joins them with raw body bytes in one :meth:`send_raw`."""
-        return b"".join(self.h11.send(event) or b"" for event in events)
+        return b"".join([self.h11.send(event) or b"" for event in events])
 
     async def send_raw(self, data: bytes) -> None:
         """Bytes already framed for the response in progress (the relay's fast path).

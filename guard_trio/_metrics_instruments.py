@@ -102,9 +102,11 @@ class EventHistogram:
         self.sum += value
         if value > self.max:  # noqa: PLR1730 - cheaper than calling max() on the hot path
             self.max = value
-        index = bisect_left(self.bounds, value)
-        if index < len(self.buckets):
-            self.buckets[index] += 1
+        # No len() call on the hot path; past the last bound only +Inf (the count) holds it.
+        try:  # noqa: SIM105 - contextlib.suppress costs calls on every observation
+            self.buckets[bisect_left(self.bounds, value)] += 1
+        except IndexError:
+            pass
 
     def observe_unknown(self) -> None:
         """Count an observation whose value is unknown: ``_count`` and ``+Inf`` only."""

@@ -330,39 +330,38 @@ class ProxyApp:
             notes.lane = lane
         started = trio.current_time()
         result: AdmissionResult | None = None
-        with trio.CancelScope() as client_scope:
-            async with trio.open_nursery() as nursery:
-                # Once the request is read to its end (now, or after it is streamed upstream),
-                # a closed client cancels everything: the wait, the upstream exchange.
-                nursery.start_soon(down.watch_for_disconnect, client_scope)
-                if begun is None:
-                    begun = engine.begin(
-                        tier,
-                        path=path,
-                        body_bytes=length,
-                        trace_id=notes.trace_id,
-                        band=band,
-                        tenant=tenant,
-                    )
-                notes.request_id = begun.request_id
-                result = await engine.settle(begun)
-                self.note_decision(notes, result, started)
-                if result.slot is not None:
-                    notes.admission = Admission.ADMITTED
-                    await self.serve_slot(
-                        down,
-                        request,
-                        headers,
-                        result,
-                        lane=lane,
-                        body=body,
-                        started=started,
-                        output_tokens=output_tokens,
-                        allowed=allowed,
-                        lead=lead,
-                    )
-                    self.end_exchange(down)  # before the watcher's cancellation yields
-                nursery.cancel_scope.cancel()
+        async with trio.open_nursery() as nursery:  # its scope: the client's
+            # Once the request is read to its end (now, or after it is streamed upstream),
+            # a closed client cancels everything: the wait, the upstream exchange.
+            nursery.start_soon(down.watch_for_disconnect, nursery.cancel_scope)
+            if begun is None:
+                begun = engine.begin(
+                    tier,
+                    path=path,
+                    body_bytes=length,
+                    trace_id=notes.trace_id,
+                    band=band,
+                    tenant=tenant,
+                )
+            notes.request_id = begun.request_id
+            result = await engine.settle(begun)
+            self.note_decision(notes, result, started)
+            if result.slot is not None:
+                notes.admission = Admission.ADMITTED
+                await self.serve_slot(
+                    down,
+                    request,
+                    headers,
+                    result,
+                    lane=lane,
+                    body=body,
+                    started=started,
+                    output_tokens=output_tokens,
+                    allowed=allowed,
+                    lead=lead,
+                )
+                self.end_exchange(down)  # before the watcher's cancellation yields
+            nursery.cancel_scope.cancel()
         if result is None:  # the client left while waiting
             notes.admission, notes.disconnect = Admission.ABANDONED, Disconnect.QUEUE
             return
@@ -430,7 +429,7 @@ class ProxyApp:
             self.injection,
             tier=slot.tier,
             content_type=first_header(headers, b"content-type"),
-            content_length=content_length(headers),
+            content_length=notes.body_bytes,  # admitted's content_length(headers)
             slot_free=self.rewrites_in_flight < self.injection.rewrite_limit,
         )
         plan = band_priority(self.bands, notes.band, plan)  # a band's own priority, if any
@@ -441,7 +440,7 @@ class ProxyApp:
                 self.rewrites_in_flight += 1
                 metrics.priority_rewrite_inflight.inc()
             try:
-                rewritten = await self.rewrite_body(down, plan, body, content_length(headers), lead)
+                rewritten = await self.rewrite_body(down, plan, body, notes.body_bytes, lead)
             finally:
                 if plan.uses_slot:
                     self.rewrites_in_flight -= 1

@@ -246,19 +246,19 @@ class GuardServer:
     async def _read_head(self, down: Downstream, deadline: float) -> h11.Request | None:
         """The next request head through h11 by ``deadline``; a bad one is answered here (and
         the connection is to close: None), as is a client that closed or stayed idle."""
-        with trio.CancelScope() as waiting:  # drain cancels the wait of an idle one
-            self._connections[down] = waiting
-            try:
-                return await down.next_request(max(0.0, deadline - trio.current_time()))
-            except RefusedRequest as refused:
-                down.notes = ExchangeNotes(trace_id=self.app.trace_id([]))
-                if down.can_respond:
-                    with contextlib.suppress(ClientGone):
-                        await down.respond(refused.status, *head_refusal(refused.status))
-                return None
-            finally:
-                self._connections[down] = None
-        return None  # drained while it waited
+        # Drain cancels the wait of an idle one: the connection's own scope, which ends it (no
+        # scope of its own per request, whose head is most often in the buffer already).
+        self._connections[down] = down.idle_scope
+        try:
+            return await down.next_request(max(0.0, deadline - trio.current_time()))
+        except RefusedRequest as refused:
+            down.notes = ExchangeNotes(trace_id=self.app.trace_id([]))
+            if down.can_respond:
+                with contextlib.suppress(ClientGone):
+                    await down.respond(refused.status, *head_refusal(refused.status))
+            return None
+        finally:
+            self._connections[down] = None
 
     async def serve_request(
         self, down: Downstream, request: h11.Request, begun: Attempt | None = None

@@ -28,6 +28,7 @@ import h11
 import trio
 
 from guard_adapters.backends import UpstreamTarget
+from guard_adapters.exchange import content_length
 from guard_core import GuardError
 from guard_trio._downstream import ResponseAborted, receive_fast, send_fast, stdlib_socket
 
@@ -73,14 +74,15 @@ class UpstreamConnection:
         self.poisoned = False
         #: Some byte of a request was written to the socket.
         self.sent_any = False
-        #: The final response head was read.
-        self.head_seen = False
+        #: The final response head was read; ``sized``: it declares one Content-Length (whose
+        #: body h11 reads with a reader that cannot fail, only count).
+        self.head_seen = self.sized = False
         self._sock = stdlib_socket(stream)
         self._eager_reads = 0
         self._interim = 0
 
     async def send(self, *events: h11.Event) -> None:
-        data = b"".join(self.h11.send(event) or b"" for event in events)
+        data = b"".join([self.h11.send(event) or b"" for event in events])  # a list: one call
         if data:
             try:
                 if not self.sent_any and self._sock is not None:
@@ -159,7 +161,7 @@ class UpstreamConnection:
                     raise UpstreamError(f"{self.target.name}: too many interim responses")
                 continue
             if isinstance(event, h11.Response):
-                self.head_seen = True
+                self.head_seen, self.sized = True, content_length(event.headers) is not None
                 return event
             raise UpstreamError(f"{self.target.name}: no response head")
 
