@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -407,3 +408,62 @@ def test_an_uncounted_finish_is_charged_its_decode_time_at_the_speed_target(
     uncharged = served(0).flow
     assert uncharged is not None
     assert (charged.table != uncharged.table) == (expected > 0)  # the default weight is 2
+
+
+#: Found by a fresh-clone CI run on 2026-12-02 (and failing on b2fff01 too, so not new): a
+#: tenant below its share (``a``, weight 1 of 10) waits with a slot free beyond the spare, and
+#: it is not ahead. Open: the ranking passes it over for a better-ranked waiter that does not
+#: take the slot. Kept as a strict xfail until the rule is fixed, so the fix shows.
+_FREE_SLOT_LEFT_ROUNDS = [
+    (1, 0),
+    (1, 0),
+    (2, 0),
+    (1, 1),
+    (1, 0),
+    (2, 0),
+    (2, 0),
+    (2, 0),
+    (1, 0),
+    (1, 0),
+    (1, 0),
+    (2, 0),
+    (2, 0),
+    (1, 0),
+    (2, 0),
+    (1, 0),
+    (1, 1),
+    (2, 1),
+    (1, 1),
+    (2, 0),
+    (2, 0),
+    (2, 0),
+    (2, 0),
+    (2, 0),
+    (2, 0),
+    (1, 0),
+    (2, 0),
+    (1, 0),
+    (2, 0),
+    (1, 1),
+    (2, 0),
+    (2, 0),
+    (2, 0),
+    (1, 0),
+    (2, 1),
+    (2, 0),
+    (2, 0),
+    (1, 0),
+    (2, 0),
+    (2, 0),
+    (1, 0),
+    (1, 0),
+    (1, 1),
+    (2, 0),
+    (2, 1),
+]
+
+
+@pytest.mark.xfail(strict=True, reason="open: a free slot is left to a waiter that is not ahead")
+def test_a_free_slot_beyond_the_spare_left_while_a_tenant_below_its_share_waits() -> None:
+    inner = test_a_saturated_band_is_shared_fairly.hypothesis.inner_test  # type: ignore[attr-defined]
+    inner(5, [1.0, 3.0, 3.0, 3.0], 8230, _FREE_SLOT_LEFT_ROUNDS, 0.25)
