@@ -25,12 +25,13 @@ Guarantees:
 - with ``lend`` off (:func:`at_share`), a tenant holding its weighted fair share of the band's
   slots (rounded down, at least one) takes no more, free slots or not: strict shares, not
   work-conserving;
-- attained service is read clamped to ``[floor, floor + max_lag]`` where ``floor`` is the least
-  service among the band's active tenants: a newcomer cannot starve the others by its empty
-  history, and a tenant that was served much in the past is passed over for at most
-  ``max_lag`` units of service by the others (the starvation bound; the short wait's 0.5 s cap
-  still ends every wait); recent service is the same costs fading by ``e`` every
-  ``recent_s``, computed from the events' ``at`` alone;
+- attained service is read per weight, less ``floor`` (the least service per weight among the
+  band's active tenants, the same for every tenant, so admitting one moves no two others past
+  each other), clamped to ``[0, max_lag]``: a newcomer starts level with the least served and
+  cannot starve the others by its empty history, and a tenant that was served much in the past
+  is passed over for at most ``max_lag`` units of service per weight by the others (the
+  starvation bound; the short wait's 0.5 s cap still ends every wait); recent service is the
+  same costs fading by ``e`` every ``recent_s``, computed from the events' ``at`` alone;
 - nothing here reads a clock: ``at`` comes with each call and only orders entries by recency
   and decays recent service.
 """
@@ -95,8 +96,8 @@ class TenantConfig:
     max_tenants: int = setting(256, env="PIG_TENANT_MAX", rules=(AtLeast(1),))
     #: ``PIG_TENANT_TOKEN_UNIT``: prompt tokens that count as one request of attained service.
     token_unit: float = setting(1000.0, env="PIG_TENANT_TOKEN_UNIT", rules=(Greater(0),))
-    #: ``PIG_TENANT_MAX_LAG``: the most service (in requests) a tenant's history may count
-    #: against it over the least-served active tenant of its band.
+    #: ``PIG_TENANT_MAX_LAG``: the most service per unit of weight (in requests) a tenant's
+    #: history may count against it over the least-served active tenant of its band.
     max_lag: float = setting(8.0, env="PIG_TENANT_MAX_LAG", rules=(AtLeast(0),))
     #: ``PIG_TENANT_OUTPUT_WEIGHT``: what one output token counts for against one prompt token
     #: (decoding a token costs the engine more than prefilling one; 0: output not counted).
@@ -240,8 +241,9 @@ def admitted(
 ) -> TenantTable:
     """``tenant`` took a slot (from the queue when ``was_waiting``) and attained ``cost``."""
     stats = table.entries.get((band, tenant), TenantStats())
-    floor = _floor(table, band, tenant)
-    service = max(stats.service, floor) + cost  # a newcomer starts level with the others
+    weight = config.weight(tenant)
+    # A newcomer starts level, per weight, with the least-served of the others.
+    service = max(stats.service, _floor(table, config, band, tenant) * weight) + cost
     return _put(
         table,
         (band, tenant),
@@ -257,12 +259,20 @@ def admitted(
     )
 
 
-def _floor(table: TenantTable, band: int, tenant: str) -> float:
-    """The least service among the band's active tenants other than ``tenant`` (0 if none)."""
-    services = [
-        s.service for (b, t), s in table.entries.items() if b == band and t != tenant and s.active
+def _floor(table: TenantTable, config: TenantConfig, band: int, tenant: str) -> float:
+    """The least service per weight among the band's active tenants other than ``tenant`` (0
+    if none)."""
+    per_weight = [
+        s.service / config.weight(t)
+        for (b, t), s in table.entries.items()
+        if b == band and t != tenant and s.active
     ]
-    return min(services) if services else 0.0
+    return min(per_weight) if per_weight else 0.0
+
+
+def _band_floor(actives: Iterable[tuple[str, TenantStats]], config: TenantConfig) -> float:
+    """The least service per weight among ``actives``."""
+    return min(s.service / config.weight(t) for t, s in actives)
 
 
 def rank(
@@ -275,10 +285,13 @@ def rank(
     max_lag: float,
 ) -> tuple[float, float, float, str]:
     """Lower ranks go first: slots held beyond the weighted fair ``share`` (most below it
-    first), attained service per weight (clamped to the starvation bound), the earliest last
-    admission, the key."""
-    service = min(max(stats.service, floor), floor + max_lag)
-    return (stats.inflight - share, (service - floor) / weight, stats.served_at, tenant)
+    first), attained service per weight above the band's least (``floor``, per weight),
+    clamped to ``max_lag`` (the starvation bound), the earliest last admission, the key.
+
+    Every tenant's service is read against the same per-weight floor, so a change of the
+    floor (its least-served tenant admitted) moves no two unclamped tenants past each other."""
+    above = min(max(stats.service / weight - floor, 0.0), max_lag)
+    return (stats.inflight - share, above, stats.served_at, tenant)
 
 
 def _weights_of(
@@ -383,7 +396,7 @@ def refused(
     per_weight = slots / sum(weights.values())
     mine = entries.get((band, tenant), TenantStats())
     weight = weights[tenant]
-    floor = min(s.service for _, s in actives)
+    floor = _band_floor(actives, config)
     lag = config.max_lag
     own = rank(mine, weight, tenant, share=per_weight * weight, floor=floor, max_lag=lag)
     before = 0
@@ -409,7 +422,7 @@ def ranks(
     if not actives:
         return {}
     total = sum(config.weight(t) for t, _ in actives)
-    floor = min(s.service for _, s in actives)
+    floor = _band_floor(actives, config)
     found = {}
     for tenant, stats in actives:
         weight = config.weight(tenant)

@@ -113,10 +113,11 @@ value is the tenant; within a band each tenant then gets a weighted fair share o
 (`PIG_TENANT_WEIGHTS`, `name=weight,...`, default weight 1), waiters are served furthest below their
 share first, then least attained service first (`PIG_TENANT_TOKEN_UNIT` prompt tokens count as one
 request, an output token the runtime counted as `PIG_TENANT_OUTPUT_WEIGHT` prompt tokens; a tenant's
-past counts against it for at most `PIG_TENANT_MAX_LAG` requests), and a share nobody uses is lent,
-except a spare: a tenant that holds its share of slots and whose recent service (fading by `e` every
-`PIG_TENANT_RECENT_SECONDS`) per weight is over `1 + PIG_TENANT_AHEAD_MARGIN` times its band's takes
-a free slot only while more than `PIG_TENANT_SPARE` of the band's slots are free (0: no spare).
+past counts against it for at most `PIG_TENANT_MAX_LAG` requests per unit of weight), and a share
+nobody uses is lent, except a spare: a tenant that holds its share of slots and whose recent service
+(fading by `e` every `PIG_TENANT_RECENT_SECONDS`) per weight is over `1 + PIG_TENANT_AHEAD_MARGIN`
+times its band's takes a free slot only while more than `PIG_TENANT_SPARE` of the band's slots are
+free (0: no spare).
 `PIG_TENANT_LEND=false` lends nothing: a tenant never takes more than its share (rounded down, at
 least one slot), even with slots free. `PIG_TENANT_MAX` tenants are tracked; more share one `other`
 entry.
