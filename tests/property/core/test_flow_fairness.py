@@ -6,7 +6,8 @@ ends early), and the waiters retry at the same instant as a runtime retries them
 in the core's fair order, at most ``RETRY_PASSES`` passes (a second only when a wait ended).
 One pass in an arbitrary order is not enough: "ahead" is read against the band's recent
 service, which an admission earlier in the pass raises, so a waiter the spare kept out can stop
-being ahead after its retry has passed. After every round:
+being ahead after its retry has passed (the second ``@example`` below, found that way). After
+every round:
 - idle share is used: while a request of the band still waits, no slot is free, or with a
   spare (``PIG_TENANT_SPARE``) at most the spare is, and only while every waiting tenant is
   ahead of its band's recent service;
