@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 import attrs
-from hypothesis import event, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 from guard_core import LimitReason
@@ -171,9 +171,48 @@ def slow_ttft(sample: BackendSample | None, extra: int) -> BackendSample | None:
     return attrs.evolve(sample, ttft=ttft)
 
 
+def _quiet_sample(*, running: float = 0.0, preemptions: float = 0.0, tokens: float = 0.0) -> Any:
+    empty = Histogram(tuple((bound, 0.0) for bound in TTFT_BOUNDS), 0.0, 0.0)
+    return BackendSample(
+        flavour=Flavour.VLLM,
+        running=running,
+        preemptions=preemptions,
+        generation_tokens=tokens,
+        ttft=empty,
+    )
+
+
+#: Found by the deep profile (2026-12-03): the throughput stage recovers from a learned cap of 1
+#: (PIG's sparse recovery, which also lowers its target to what it recovered: 12), but with one
+#: slow first token TTFT is not healthy, so the stage holds near its target instead (13), and
+#: the component, which follows the target under demand, comes out one higher. PIG's rules do
+#: this; the guard keeps PIG's learner as it is.
+_SPARSE_RECOVERY_RUN = {
+    "config": PolicyConfig(global_limit=64),
+    "series": [
+        [
+            _quiet_sample(),
+            _quiet_sample(preemptions=1.0, tokens=912.0),
+            None,
+            _quiet_sample(),
+            _quiet_sample(running=4.0, preemptions=1.0),
+            None,
+        ]
+    ],
+    "gates": [gate_holding(cap=0)] * 4 + [gate_holding(cap=0, basic_inflight=1), gate_holding()],
+    "rejects": [0] * 6,
+    "first_tokens": [],
+    "steps": [1.0] * 6,
+}
+
+
 @given(runs(), st.integers(1, 20))
+@example(_SPARSE_RECOVERY_RUN, 1)
 def test_a_ttft_signal_never_raises_the_cap(run: dict[str, Any], extra: int) -> None:
-    """From the same state, one poll with slow first tokens never gives a higher cap."""
+    """From the same state, one poll with slow first tokens never gives a higher cap, but for
+    one corner of PIG's learner: where the plain poll takes PIG's sparse recovery (learned below
+    4, its target lowered to what it recovers), the slow one holds near the target it had, and
+    the cap may follow that target. It never goes above the throughput stage's own target."""
     run = {**run, "first_tokens": []}  # keep the backend histogram as the TTFT source
     for before, _, decision in play(run):
         if before.last is None:
@@ -188,9 +227,16 @@ def test_a_ttft_signal_never_raises_the_cap(run: dict[str, Any], extra: int) -> 
         at = decision.at + 1.0
         gate = gate_holding(cap=decision.cap)
         # Re-poll the same samples: the plain run sees no new first tokens at all.
-        _, with_plain = evaluate(before, gate, plain, at=at)
-        _, with_slow = evaluate(before, gate, polls, at=at)
-        assert with_slow.cap <= with_plain.cap
+        plain_state, with_plain = evaluate(before, gate, plain, at=at)
+        slow_state, with_slow = evaluate(before, gate, polls, at=at)
+        if with_slow.cap > with_plain.cap:
+            assert plain_state.last is not None
+            assert slow_state.last is not None
+            assert plain_state.last.throughput.phase == "sparse_recovery"
+            held = slow_state.last.throughput
+            assert with_slow.cap <= max(held.target, held.learned)
+            event("PIG's sparse recovery: the slow poll held a higher target")
+            continue
         event("slow first tokens lowered the cap" if with_slow.cap < with_plain.cap else "same cap")
 
 
