@@ -262,12 +262,10 @@ def admitted(
 def _floor(table: TenantTable, config: TenantConfig, band: int, tenant: str) -> float:
     """The least service per weight among the band's active tenants other than ``tenant`` (0
     if none)."""
-    per_weight = [
-        s.service / config.weight(t)
-        for (b, t), s in table.entries.items()
-        if b == band and t != tenant and s.active
+    others = [
+        (t, s) for (b, t), s in table.entries.items() if b == band and t != tenant and s.active
     ]
-    return min(per_weight) if per_weight else 0.0
+    return _band_floor(others, config) if others else 0.0
 
 
 def _band_floor(actives: Iterable[tuple[str, TenantStats]], config: TenantConfig) -> float:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from guard_core import Finished, Forwarded, RequestEvent, Tier
 from guard_trio._engine import Attempt, GuardEngine
-from tests.property.core.test_flow_fairness import NAMES, _Driver, _guard
+from tests.property.core.test_flow_fairness import NAMES, _Driver, _guard, top_up
 
 #: The time between rounds: small enough that a round list ends before any waiter's fallback
 #: re-check (50 ms at the least) or deadline, which the driver does not model.
@@ -81,9 +81,7 @@ async def _run_both(
         for number, (releases, oldest) in enumerate(rounds):
             clock.jump(STEP_S)
             at += STEP_S
-            for tenant in names:  # backlogged, as the fairness property keeps the band
-                while driver.waiting()[tenant] < 3 and sum(driver.holding().values()) == cap:
-                    arrive(tenant)
+            top_up(driver, names, arrive)  # backlogged, as the fairness property keeps it
             await same(f"round {number}: arrivals")
             for _ in range(min(releases, len(driver.held))):
                 index = min(oldest, len(driver.held) - 1)

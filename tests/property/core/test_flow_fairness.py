@@ -23,6 +23,8 @@ every round:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import attrs
 from hypothesis import example, given
@@ -172,6 +174,14 @@ class _Driver:
         return counts
 
 
+def top_up(driver: _Driver, names: Sequence[str], arrive: Callable[[str], object]) -> None:
+    """Keep the band backlogged: while it is full, each tenant tops its waiting requests up to
+    three (more than a round frees); ``arrive`` sends one request of a tenant."""
+    for tenant in names:
+        while driver.waiting()[tenant] < 3 and sum(driver.holding().values()) == driver.cap:
+            arrive(tenant)
+
+
 @given(
     st.integers(2, 12),
     st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=2, max_size=4),
@@ -199,9 +209,7 @@ def test_a_saturated_band_is_shared_fairly(
     at = 0.0
     for releases, oldest in rounds:
         at += 0.001  # well inside every wait: the band stays backlogged
-        for tenant in names:  # backlogged: more waiters than slots a round frees
-            while driver.waiting()[tenant] < 3 and sum(driver.holding().values()) == cap:
-                driver.arrive(tenant, at)
+        top_up(driver, names, partial(driver.arrive, at=at))
         for _ in range(min(releases, len(driver.held))):
             driver.release(min(oldest, len(driver.held) - 1), at)
         for tenant in names:
