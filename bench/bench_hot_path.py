@@ -23,6 +23,8 @@ from guard_adapters.config import load_config
 from guard_adapters.http_head import read_simple_request
 from guard_adapters.outcome import Admission, ExchangeNotes, ExchangeOutcome
 from guard_core import RejectCode, Tier
+from guard_core.events import Arrived
+from guard_core.guard import apply as apply_guard_event
 from guard_core.lanes import Lane
 from guard_trio._server import GuardServer
 
@@ -43,6 +45,8 @@ _REFUSING = {
     "LISTEN": "127.0.0.1:0",
 }
 
+
+CHAT_PATH = "/v1/chat/completions"
 
 #: Calls per repeat are multiplied by this (``--scale``).
 SCALE = [1.0]
@@ -112,6 +116,18 @@ async def measure() -> list[tuple[str, float]]:
 
     outcome = notes()
 
+    arrival = Arrived(
+        at=1.0,
+        request_id=10**9,
+        tier=Tier.BASIC,
+        body_bytes=len(_BODY),
+        path="/v1/chat/completions",
+    )
+    state = engine.state
+
+    def core_step() -> object:
+        return apply_guard_event(state, arrival)
+
     def whole() -> object:
         parsed = read_simple_request(_REQUEST)
         assert parsed is not None
@@ -119,6 +135,7 @@ async def measure() -> list[tuple[str, float]]:
 
     rows = [
         ("the fast reader: read_simple_request", best_us(lambda: read_simple_request(_REQUEST))),
+        ("the core's step: guard_core apply(Arrived) (refused)", best_us(core_step)),
         (
             "the engine's attempt: GuardEngine.begin (refused)",
             best_us(lambda: engine.begin(Tier.BASIC, path="/v1/chat/completions", body_bytes=200)),

@@ -56,6 +56,7 @@ __all__ = (
     "failing_open",
     "next_check_at",
     "refuse",
+    "refused_at_once",
     "short_wait_s",
 )
 
@@ -266,6 +267,16 @@ def _request(state: GateState, event: SlotRequested) -> GateStep:
             _with_counts(state, event.tier, inflight=1, waiting=0), Admitted(event.tier)
         )
     return refuse(state, event, code)
+
+
+def refused_at_once(state: GateState, tier: Tier) -> RejectCode | None:
+    """Why a new ``tier`` request with no wait cap of its own is refused now with no wait, or
+    None when it would be admitted or would wait: what :func:`apply` does with its
+    :class:`SlotRequested`, without building the step (the refusal path asks this first)."""
+    code = _refusal(state, tier)
+    if code is None or short_wait_s(state.decision, code, state.config) > 0:
+        return None
+    return code
 
 
 def refuse(state: GateState, event: SlotRequested | WaitRetried, code: RejectCode) -> GateStep:

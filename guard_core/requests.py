@@ -18,6 +18,7 @@ Guarantees:
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -44,7 +45,9 @@ from guard_core.prefill_guard import grace_s
 from guard_core.tier import Tier, premium_reserved
 
 if TYPE_CHECKING:
+    from guard_core.evaluation import LearnerState
     from guard_core.guard import GuardState
+    from guard_core.traffic import TrafficState
 
 __all__ = ("Tracked", "apply")
 
@@ -196,8 +199,8 @@ def _attempt(
         )
     outcome = step.outcome
     learner = state.learner
-    if isinstance(outcome, Rejected) and outcome.code in _DYNAMIC_REJECTS:
-        learner = replace(learner, dynamic_rejects=learner.dynamic_rejects + 1)
+    if isinstance(outcome, Rejected):
+        learner = _learner_counts(state, outcome.code)
     model = state.predictive
     verdict = state.verdict
     if model is not None:
@@ -209,8 +212,8 @@ def _attempt(
                 seconds = retry_after_s(model, basis, at=event.at)
                 outcome = attrs.evolve(outcome, retry_after_s=seconds)
     traffic = state.traffic
-    if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:
-        traffic = traffic.refused(tracked.tier)  # the tier reject deltas a poll publishes
+    if isinstance(outcome, Rejected):
+        traffic = _traffic_counts(state, outcome.code, tracked.tier)
     unchanged = step.state is state.gate and learner is state.learner and verdict is state.verdict
     if (
         unchanged
@@ -312,12 +315,54 @@ def _first_token(state: GuardState, event: FirstToken) -> GuardState:
     return state
 
 
+def _learner_counts(state: GuardState, code: RejectCode) -> LearnerState:
+    """The learner's state after a refusal for ``code``: PIG counts its dynamic refusals."""
+    learner = state.learner
+    if code in _DYNAMIC_REJECTS:
+        return replace(learner, dynamic_rejects=learner.dynamic_rejects + 1)
+    return learner
+
+
+def _traffic_counts(state: GuardState, code: RejectCode, tier: Tier) -> TrafficState:
+    """The traffic counts after a refusal of ``tier`` for ``code``: the tier reject deltas a
+    poll publishes (a refusal for no usable backend is not one)."""
+    if code is RejectCode.BACKEND_UNAVAILABLE:
+        return state.traffic
+    return state.traffic.refused(tier)
+
+
+#: The outcome of each refusal with no learner's Retry-After (values: shared, never changed).
+_REFUSED = MappingProxyType({code: Rejected(code) for code in RejectCode})
+
+
+def _refused_at_once(state: GuardState, event: Arrived) -> _Step | None:
+    """The step of an arrival the gate refuses with no wait, when neither flow control nor the
+    predictive learner takes part (PIG's guard, static or dynamic): only the refusal counts
+    change and the request is never filed. None for any other arrival or state. It gives
+    exactly what :func:`_attempt` gives (``tests/property/core/test_fold.py`` holds them
+    together); the refusal path, the guard's busiest under overload, skips building the
+    attempt."""
+    if state.flow is not None or state.predictive is not None:
+        return None
+    code = gate_rules.refused_at_once(state.gate, event.tier)
+    if code is None:
+        return None
+    learner = _learner_counts(state, code)
+    traffic = _traffic_counts(state, code, event.tier)
+    if learner is not state.learner or traffic is not state.traffic:
+        state = replace(state, learner=learner, traffic=traffic)
+    return state, _REFUSED[code]
+
+
 # -- the reducer -------------------------------------------------------------------------------
 
 
 def _arrived(state: GuardState, event: Arrived) -> _Step:
     if event.request_id in state.requests:
         return state, None  # the id is taken: not a new request
+    refused = _refused_at_once(state, event)
+    if refused is not None:
+        return refused
     flow = state.flow
     if flow is None:
         tracked = Tracked(tier=event.tier, arrived_at=event.at, body_bytes=event.body_bytes)

@@ -20,8 +20,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import guard_core as core
+from guard_core import requests as request_rules
 from guard_core.events import Abandoned, Arrived, Finished, FirstToken, Forwarded, Refused, Retried
-from guard_core.gate import DecisionPublished, SlotReleased
+from guard_core.gate import DecisionPublished, SlotReleased, SlotRequested
 from guard_core.guard import GuardConfig, GuardEvent, GuardState, fold
 from guard_core.guard import apply as apply_guard_event
 
@@ -177,3 +178,30 @@ def test_finished_is_the_release_and_the_prefill_end_in_one_step(
         assert rid not in finished.predictive.requests
     # A second end of the same request changes nothing.
     assert apply_guard_event(finished, Finished(at=at + 2, request_id=rid)).state is finished
+
+
+@given(configs(), streams(), st.none() | st.integers(0, 200_000))
+def test_a_refusal_at_once_is_the_whole_attempt_without_its_copies(
+    config: GuardConfig, events: list[GuardEvent], body: int | None
+) -> None:
+    """The reducer's short cut for an arrival refused with no wait (``_refused_at_once``) gives
+    exactly the state and outcome of the whole attempt (the request filed, judged by the gate,
+    counted), in every state the events reach, for both tiers."""
+    state = GuardState.initial(config, at=0.0)
+    shortcuts = 0
+    for event in [*events, None]:
+        if event is not None:
+            state = apply_guard_event(state, event).state
+        at = event.at if event is not None else 0.0
+        for tier in core.Tier:
+            arrival = Arrived(at=at, request_id=1_000, tier=tier, body_bytes=body)
+            step = apply_guard_event(state, arrival)
+            tracked = request_rules.Tracked(tier=tier, arrived_at=at, body_bytes=body)
+            attempt = SlotRequested(at, tier, body)
+            whole, outcome = request_rules._attempt(state, 1_000, tracked, attempt)
+            assert (step.state, step.outcome) == (whole, outcome)
+            shortcuts += request_rules._refused_at_once(state, arrival) is not None
+    if config.predictive is not None:
+        assert shortcuts == 0  # the learner judges every arrival itself
+    elif config.gate.global_limit == 0 and config.gate.queue_wait_s == 0:
+        assert shortcuts == 2 * (len(events) + 1)  # everyone is refused at once
