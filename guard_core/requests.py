@@ -336,22 +336,28 @@ _REFUSED = MappingProxyType({code: Rejected(code) for code in RejectCode})
 
 
 def _refused_at_once(state: GuardState, event: Arrived) -> _Step | None:
-    """The step of an arrival the gate refuses with no wait, when neither flow control nor the
-    predictive learner takes part (PIG's guard, static or dynamic): only the refusal counts
-    change and the request is never filed. None for any other arrival or state. It gives
-    exactly what :func:`_attempt` gives (``tests/property/core/test_fold.py`` holds them
+    """The step of an arrival the gate refuses with no wait, without flow control: only the
+    refusal counts change (and, under the predictive learner, the 429 says when its last cap
+    predicts room), and the request is never filed. None for any other arrival or state. It
+    gives exactly what :func:`_attempt` gives (``tests/property/core/test_fold.py`` holds them
     together); the refusal path, the guard's busiest under overload, skips building the
-    attempt."""
-    if state.flow is not None or state.predictive is not None:
+    attempt (the learner is only asked about what the gate would admit)."""
+    if state.flow is not None:
         return None
     code = gate_rules.refused_at_once(state.gate, event.tier)
     if code is None:
         return None
+    outcome = _REFUSED[code]
+    model = state.predictive
+    if model is not None and code is not RejectCode.BACKEND_UNAVAILABLE:
+        basis = model.last_cap
+        if basis is not None:
+            outcome = Rejected(code, retry_after_s(model, basis, at=event.at))
     learner = _learner_counts(state, code)
     traffic = _traffic_counts(state, code, event.tier)
     if learner is not state.learner or traffic is not state.traffic:
         state = replace(state, learner=learner, traffic=traffic)
-    return state, _REFUSED[code]
+    return state, outcome
 
 
 # -- the reducer -------------------------------------------------------------------------------

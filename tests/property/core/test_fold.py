@@ -25,6 +25,7 @@ from guard_core.events import Abandoned, Arrived, Finished, FirstToken, Forwarde
 from guard_core.gate import DecisionPublished, SlotReleased, SlotRequested
 from guard_core.guard import GuardConfig, GuardEvent, GuardState, fold
 from guard_core.guard import apply as apply_guard_event
+from guard_core.predictive import Binding, FitSummary, Prediction
 
 IDS = st.integers(1, 6)
 
@@ -180,19 +181,39 @@ def test_finished_is_the_release_and_the_prefill_end_in_one_step(
     assert apply_guard_event(finished, Finished(at=at + 2, request_id=rid)).state is finished
 
 
-@given(configs(), streams(), st.none() | st.integers(0, 200_000))
+#: A last published cap of the predictive learner (its Retry-After's basis); the fit is only
+#: reported, the learner's own fit computes the seconds.
+_LAST_CAPS = st.builds(
+    lambda binding, user_tps: Prediction(
+        user_tps=user_tps,
+        ttft_s=0.4,
+        kv_usage=0.5,
+        binding=binding,
+        fit=FitSummary(0.01, 0.001, 0.0, 1e-5, 0.1, 12),
+        cap=4,
+    ),
+    st.sampled_from(Binding),
+    st.floats(0, 60),
+)
+
+
+@given(configs(), streams(), st.none() | st.integers(0, 200_000), st.none() | _LAST_CAPS)
 def test_a_refusal_at_once_is_the_whole_attempt_without_its_copies(
-    config: GuardConfig, events: list[GuardEvent], body: int | None
+    config: GuardConfig, events: list[GuardEvent], body: int | None, last_cap: Prediction | None
 ) -> None:
     """The reducer's short cut for an arrival refused with no wait (``_refused_at_once``) gives
-    exactly the state and outcome of the whole attempt (the request filed, judged by the gate,
-    counted), in every state the events reach, for both tiers."""
+    exactly the state and outcome of the whole attempt (the request filed, judged by the gate
+    and by the predictive learner when it is on, counted, its Retry-After from the learner's
+    last cap), in every state the events reach, for both tiers."""
     state = GuardState.initial(config, at=0.0)
+    if state.predictive is not None and last_cap is not None:
+        state = attrs.evolve(state, predictive=attrs.evolve(state.predictive, last_cap=last_cap))
     shortcuts = 0
+    at = 0.0
     for event in [*events, None]:
         if event is not None:
             state = apply_guard_event(state, event).state
-        at = event.at if event is not None else 0.0
+            at = event.at
         for tier in core.Tier:
             arrival = Arrived(at=at, request_id=1_000, tier=tier, body_bytes=body)
             step = apply_guard_event(state, arrival)
@@ -201,7 +222,5 @@ def test_a_refusal_at_once_is_the_whole_attempt_without_its_copies(
             whole, outcome = request_rules._attempt(state, 1_000, tracked, attempt)
             assert (step.state, step.outcome) == (whole, outcome)
             shortcuts += request_rules._refused_at_once(state, arrival) is not None
-    if config.predictive is not None:
-        assert shortcuts == 0  # the learner judges every arrival itself
-    elif config.gate.global_limit == 0 and config.gate.queue_wait_s == 0:
+    if config.gate.global_limit == 0 and config.gate.queue_wait_s == 0:
         assert shortcuts == 2 * (len(events) + 1)  # everyone is refused at once
