@@ -91,6 +91,30 @@ async def _timed() -> None:
         await trio.lowlevel.checkpoint()
 
 
+async def _admitted_rows() -> list[tuple[str, float]]:
+    """An admitted request's admission and release in the engine (its slot, its prefill grace,
+    the table), with none and with 500 other slots held: what the core's copies cost as the
+    guard fills."""
+    server = GuardServer(load_config({**_REFUSING, "GLOBAL_LIMIT": "100000"}))
+    engine = server.engine
+
+    def admit_and_release() -> None:
+        result = engine.begin(Tier.BASIC, path=CHAT_PATH, body_bytes=len(_BODY)).result
+        assert result is not None
+        assert result.slot is not None
+        result.slot.release(200)
+
+    rows = [("an admission and its release: begin + release", best_us(admit_and_release))]
+    held = [engine.begin(Tier.BASIC, body_bytes=len(_BODY)).result for _ in range(500)]
+    rows.append(("  the same with 500 slots held", best_us(admit_and_release, number=5_000)))
+    for result in held:
+        assert result is not None
+        assert result.slot is not None
+        result.slot.release(200)
+    await server.aclose()
+    return rows
+
+
 async def measure() -> list[tuple[str, float]]:
     server = GuardServer(load_config(_REFUSING))
     app, engine = server.app, server.engine
@@ -121,7 +145,7 @@ async def measure() -> list[tuple[str, float]]:
         request_id=10**9,
         tier=Tier.BASIC,
         body_bytes=len(_BODY),
-        path="/v1/chat/completions",
+        path=CHAT_PATH,
     )
     state = engine.state
 
@@ -144,6 +168,7 @@ async def measure() -> list[tuple[str, float]]:
         ("its listeners: hand_outcome (the metrics)", best_us(lambda: app.hand_outcome(outcome))),
         ("the cached 429: RefusalAnswers.whole", best_us(lambda: app.refusals.whole(None, "x"))),
         ("a whole refusal: read + admit_simple", best_us(whole)),
+        *await _admitted_rows(),
         ("trio: checkpoint", await best_us_async(trio.lowlevel.checkpoint)),
         ("trio: a cancel scope with a deadline + checkpoint", await best_us_async(_timed)),
         ("trio: a watcher (nursery + task) + checkpoint", await best_us_async(_watched)),

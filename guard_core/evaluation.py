@@ -15,6 +15,7 @@ Guarantees:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import attrs
 
@@ -113,11 +114,13 @@ class LearnerState:
     dynamic_rejects: int = 0
     #: The persistent pressure cap (0: none).
     pressure_cap: int = 0
-    #: Admitted requests still in their prefill grace: ``(request_id, grace_deadline)``.
-    prefill: tuple[tuple[int, float], ...] = ()
+    #: Forwarded requests that may still be in their prefill grace: request id -> the grace's
+    #: deadline. A finished request leaves it at once; a poll drops the deadlines it has passed.
+    #: A mapping, so that a finish removes its entry without a pass over the others.
+    prefill: Mapping[int, float] = attrs.field(factory=dict)
 
     def prefill_protected(self, at: float) -> int:
-        return sum(1 for _, deadline in self.prefill if deadline > at)
+        return sum(1 for deadline in self.prefill.values() if deadline > at)
 
 
 def observe_first_token(histogram: Histogram | None, seconds: float) -> Histogram:
@@ -639,6 +642,6 @@ def _evaluate(
         learner,
         last=snapshot,
         pressure_cap=pressure.cap,
-        prefill=tuple(entry for entry in learner.prefill if entry[1] > at),
+        prefill={rid: deadline for rid, deadline in learner.prefill.items() if deadline > at},
     )
     return learner, decision

@@ -258,7 +258,9 @@ def _forward(state: GuardState, request_id: int, tracked: Tracked, at: float) ->
     """An admitted request starts its prefill grace."""
     learner = state.learner
     deadline = at + grace_s(learner.config, tracked.body_bytes)
-    learner = replace(learner, prefill=(*learner.prefill, (request_id, deadline)))
+    prefill = dict(learner.prefill)
+    prefill[request_id] = deadline
+    learner = replace(learner, prefill=prefill)
     predictive = state.predictive
     if predictive is not None:
         predictive = predictive_rules.forwarded(
@@ -293,11 +295,13 @@ def _finish(
     if not tracked.forwarded:
         return _with(state, request_id, None, gate=gate)
     learner = state.learner
-    prefill = tuple(entry for entry in learner.prefill if entry[0] != request_id)
+    if request_id in learner.prefill:  # else a poll already dropped its passed grace
+        prefill = dict(learner.prefill)
+        del prefill[request_id]
+        learner = replace(learner, prefill=prefill)
     predictive = state.predictive
     if predictive is not None:
         predictive = predictive_rules.finished(predictive, request_id, at=at)
-    learner = replace(learner, prefill=prefill)
     return _with(state, request_id, None, gate=gate, learner=learner, predictive=predictive)
 
 

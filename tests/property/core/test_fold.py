@@ -100,7 +100,7 @@ def check(state: GuardState) -> None:
     assert gate.basic_waiting == sum(t.tier is core.Tier.BASIC for t in waiting)
     assert gate.inflight <= gate.config.global_limit
     forwarded = sorted(rid for rid, t in held.items() if t.forwarded)
-    assert sorted(rid for rid, _ in state.learner.prefill) == forwarded
+    assert sorted(state.learner.prefill) == forwarded
     if state.predictive is not None:
         assert sorted(state.predictive.requests) == forwarded
     for tracked in state.requests.values():
@@ -137,7 +137,7 @@ def test_no_step_is_seen_half_done_and_no_slot_leaks(
     check(state)
     gate = state.gate
     assert (gate.inflight, gate.waiting, dict(state.requests)) == (0, 0, {})
-    assert state.learner.prefill == ()
+    assert dict(state.learner.prefill) == {}
 
 
 @given(configs(), streams(), st.integers(0, 40))
@@ -165,14 +165,14 @@ def test_finished_is_the_release_and_the_prefill_end_in_one_step(
     if rid not in admitted.requests or admitted.requests[rid].queued is not None:
         return  # GLOBAL_LIMIT 0 or the learner's refusal: nothing to finish
     forwarded = apply_guard_event(admitted, Forwarded(at=at, request_id=rid)).state
-    assert rid in {r for r, _ in forwarded.learner.prefill}
+    assert rid in forwarded.learner.prefill
     finished = apply_guard_event(forwarded, Finished(at=at + 1, request_id=rid)).state
     # What the engine used to send as two events, and the table forgetting the request.
     released = core.apply_gate_event(forwarded.gate, SlotReleased(at + 1, tier)).state
     assert finished.gate == released
     assert finished.learner == attrs.evolve(
         forwarded.learner,
-        prefill=tuple(entry for entry in forwarded.learner.prefill if entry[0] != rid),
+        prefill={r: d for r, d in forwarded.learner.prefill.items() if r != rid},
     )
     assert rid not in finished.requests
     if finished.predictive is not None:

@@ -182,7 +182,7 @@ class GuardInterleavings(RuleBasedStateMachine):
         before = self.state
         self._apply(Finished(at=self.now, request_id=live.request_id, status=_ENDINGS[how]))
         assert self.state.gate.inflight_of(live.tier) == before.gate.inflight_of(live.tier) - 1
-        assert live.request_id not in {rid for rid, _ in self.state.learner.prefill}
+        assert live.request_id not in self.state.learner.prefill
         self.ended += 1
         event(f"ended: {how} ({_ENDINGS[how]})")
 
@@ -286,7 +286,7 @@ class GuardInterleavings(RuleBasedStateMachine):
 
     @invariant()
     def prefill_ledger_holds_the_live_requests(self) -> None:
-        held = sorted(request_id for request_id, _ in self.state.learner.prefill)
+        held = sorted(self.state.learner.prefill)
         assert held == sorted(r.request_id for r in self.live)
 
     @invariant()
@@ -315,7 +315,7 @@ class GuardInterleavings(RuleBasedStateMachine):
             self._end(self.live.pop(), "completed")
         gate = self.state.gate
         assert (gate.inflight, gate.waiting) == (0, 0)
-        assert self.state.learner.prefill == ()
+        assert dict(self.state.learner.prefill) == {}
         assert dict(self.state.requests) == {}
         assert self.arrivals == self.ended
 
