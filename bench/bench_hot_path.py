@@ -162,7 +162,7 @@ async def measure() -> list[tuple[str, float]]:
         ("the core's step: guard_core apply(Arrived) (refused)", best_us(core_step)),
         (
             "the engine's attempt: GuardEngine.begin (refused)",
-            best_us(lambda: engine.begin(Tier.BASIC, path="/v1/chat/completions", body_bytes=200)),
+            best_us(lambda: engine.begin(Tier.BASIC, path=CHAT_PATH, body_bytes=200)),
         ),
         ("the exchange's outcome: ExchangeNotes(...).outcome()", best_us(notes)),
         ("its listeners: hand_outcome (the metrics)", best_us(lambda: app.hand_outcome(outcome))),

@@ -39,7 +39,7 @@ from guard_core.events import (
     Retried,
 )
 from guard_core.pool_admission import is_pool, pool_assess
-from guard_core.predictive import Prediction
+from guard_core.predictive import Prediction, PredictiveState
 from guard_core.predictive_cap import retry_after_s
 from guard_core.prefill_guard import grace_s
 from guard_core.tier import Tier, premium_reserved
@@ -206,11 +206,8 @@ def _attempt(
     if model is not None:
         if prediction is not None:
             verdict = prediction
-        if isinstance(outcome, Rejected) and outcome.code is not RejectCode.BACKEND_UNAVAILABLE:
-            basis = prediction or model.last_cap
-            if basis is not None:
-                seconds = retry_after_s(model, basis, at=event.at)
-                outcome = attrs.evolve(outcome, retry_after_s=seconds)
+        if isinstance(outcome, Rejected):
+            outcome = _predicted_refusal(model, outcome, prediction, at=event.at)
     traffic = state.traffic
     if isinstance(outcome, Rejected):
         traffic = _traffic_counts(state, outcome.code, tracked.tier)
@@ -335,6 +332,18 @@ def _traffic_counts(state: GuardState, code: RejectCode, tier: Tier) -> TrafficS
     return state.traffic.refused(tier)
 
 
+def _predicted_refusal(
+    model: PredictiveState, outcome: Rejected, prediction: Prediction | None, *, at: float
+) -> Rejected:
+    """``outcome`` with the predictive learner's Retry-After: when the attempt's own prediction
+    (else the learner's last cap) says the binding constraint has room again; none for a
+    refusal for no usable backend, or before the learner has a cap."""
+    basis = prediction or model.last_cap
+    if basis is None or outcome.code is RejectCode.BACKEND_UNAVAILABLE:
+        return outcome
+    return attrs.evolve(outcome, retry_after_s=retry_after_s(model, basis, at=at))
+
+
 #: The outcome of each refusal with no learner's Retry-After (values: shared, never changed).
 _REFUSED = MappingProxyType({code: Rejected(code) for code in RejectCode})
 
@@ -352,11 +361,8 @@ def _refused_at_once(state: GuardState, event: Arrived) -> _Step | None:
     if code is None:
         return None
     outcome = _REFUSED[code]
-    model = state.predictive
-    if model is not None and code is not RejectCode.BACKEND_UNAVAILABLE:
-        basis = model.last_cap
-        if basis is not None:
-            outcome = Rejected(code, retry_after_s(model, basis, at=event.at))
+    if state.predictive is not None:
+        outcome = _predicted_refusal(state.predictive, outcome, None, at=event.at)
     learner = _learner_counts(state, code)
     traffic = _traffic_counts(state, code, event.tier)
     if learner is not state.learner or traffic is not state.traffic:
