@@ -74,7 +74,8 @@ def bench(session: nox.Session) -> None:
     """Every benchmark in one run, printing tables (nothing is asserted).
 
     Core micro-benchmarks, the refusal path's pieces and trio's building blocks in-process, the
-    metrics parsers, the engine model and the simulated backend, then
+    scheduler's trips per request (task steps), the metrics parsers, the engine model and the
+    simulated backend, then
     the proxy (direct, guard, nginx; small POSTs with wrk, SSE streams), Envoy alone and with the
     guard as its endpoint picker, the picker's gRPC layers, and the peers
     (sglang-router, LiteLLM, each installed once into its own venv under .nox/peers). Options go
@@ -85,6 +86,7 @@ def bench(session: nox.Session) -> None:
     _apt_install(session, {"wrk": "wrk", "nginx": "nginx-light"})
     session.run("python", "bench/bench_core.py")
     session.run("python", "bench/bench_hot_path.py")
+    session.run("python", "bench/bench_task_steps.py")
     session.run("python", "bench/bench_metrics_parse.py")
     session.run("python", "bench/bench_engine.py")
     quick = {"--quick", "--smoke"} & set(session.posargs)

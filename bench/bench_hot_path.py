@@ -1,12 +1,14 @@
 """The refusal path's pieces in-process, and what trio's building blocks cost per request.
 
 Run: ``python bench/bench_hot_path.py [--scale F]`` (also part of ``nox -s bench``; ``--scale``
-multiplies the calls per repeat, 0.01 for a smoke run). No sockets: a guard
+multiplies the calls per repeat, 0.01 for a smoke run). No network: a guard
 refusing everything (static, ``GLOBAL_LIMIT=0``, no wait) is built as ``serve`` builds it, and
 each piece of a refusal is timed on the same small POST ``bench_proxy.py`` sends. The trio rows
-time, inside ``trio.run``, what an admitted request pays for its disconnect watcher (a nursery
-and one task) and for one timeout (a cancel scope with a deadline). Prints the best of seven
-repeats in microseconds per call, CPU time; it asserts only that its guard refuses the POST.
+time, inside ``trio.run``, a checkpoint, one timeout (a cancel scope with a deadline), a task
+per request (a nursery and one task: how the guard watched for a client's disconnect before)
+and what an admitted request pays for that watch now (its scope, the connection's watcher
+woken and stopped, over a socket pair). Prints the best of seven repeats in microseconds per
+call, CPU time; it asserts only that its guard refuses the POST.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from guard_core import RejectCode, Tier
 from guard_core.events import Arrived
 from guard_core.guard import apply as apply_guard_event
 from guard_core.lanes import Lane
+from guard_trio._downstream import Downstream
 from guard_trio._server import GuardServer
 
 _BODY = (
@@ -78,12 +81,37 @@ async def best_us_async(
 
 
 async def _watched() -> None:
-    """An admitted request's watcher: a nursery, one task, cancelled at the end."""
+    """A watcher task per request (how the guard watched for disconnects before): a nursery,
+    one task, cancelled at the end."""
     with trio.CancelScope():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.sleep_forever)
             await trio.lowlevel.checkpoint()
             nursery.cancel_scope.cancel()
+
+
+async def _watch_row() -> float:
+    """What an admitted request pays for its disconnect watch now: its cancel scope, and the
+    connection's one watcher task woken to read and stopped again (over a socket pair, the
+    request read to its end)."""
+    ours, theirs = trio.socket.socketpair()
+    async with trio.open_nursery() as nursery:
+        down = Downstream(trio.SocketStream(ours), "127.0.0.1")
+        down.tasks = nursery
+        down.ready_event()  # nothing read yet: NEED_DATA
+        down._request_read.set()  # the request's body has been read
+
+        async def watched() -> None:
+            with trio.CancelScope() as scope:
+                down.watch(scope)
+                await trio.lowlevel.checkpoint()
+                down.unwatch()
+
+        row = await best_us_async(watched)
+        nursery.cancel_scope.cancel()
+    theirs.close()
+    ours.close()
+    return row
 
 
 async def _timed() -> None:
@@ -171,7 +199,8 @@ async def measure() -> list[tuple[str, float]]:
         *await _admitted_rows(),
         ("trio: checkpoint", await best_us_async(trio.lowlevel.checkpoint)),
         ("trio: a cancel scope with a deadline + checkpoint", await best_us_async(_timed)),
-        ("trio: a watcher (nursery + task) + checkpoint", await best_us_async(_watched)),
+        ("trio: a task per request (nursery + task) + checkpoint", await best_us_async(_watched)),
+        ("the disconnect watch: scope + watch + checkpoint + unwatch", await _watch_row()),
     ]
     await server.aclose()
     return rows

@@ -10,8 +10,10 @@ Guarantees:
   origin-form (``/...``), an ``Upgrade`` header, and a header name with underscores that aliases
   a framing, hop-by-hop or guard header (``Content_Length``, ``X_PIG_Tier``); the connection is
   closed after each of these;
-- a client that goes away is noticed both while we write (:class:`ClientGone`) and, through
-  :meth:`Downstream.watch_for_disconnect`, while we wait for admission or for the backend;
+- a client that goes away is noticed both while we write (:class:`ClientGone`) and, while a
+  request is watched (:meth:`Downstream.watch`, until :meth:`Downstream.unwatch`), while we wait
+  for admission or for the backend: the connection's one watcher task cancels the request's
+  scope (one task per connection, started by its first watched request, not one per request);
 - bytes a client pipelines behind its request are kept for the next request, not lost (at
   most 64 KiB are read ahead while a request is in flight);
 - request bodies are read only through :meth:`Downstream.body_event`, under
@@ -26,6 +28,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -56,6 +59,8 @@ __all__ = (
     "Downstream",
     "ResponseAborted",
 )
+
+log = logging.getLogger("inference_guard")
 
 _READ_SIZE = 65536
 #: While a request is in flight, stop reading ahead once this much of the next one is buffered.
@@ -105,6 +110,14 @@ class Downstream:
         self.wait_started: float | None = None
         #: The connection's scope, which :meth:`stop_idle_wait` cancels (the server sets it).
         self.idle_scope: trio.CancelScope | None = None
+        #: Where the connection's watcher task runs (the server sets it; None: never watched).
+        self.tasks: trio.Nursery | None = None
+        #: The watched request's scope (:meth:`watch`), the event that starts the watcher's
+        #: reading for it, and the scope of that reading (which :meth:`unwatch` cancels).
+        self._watched: trio.CancelScope | None = None
+        self._watch_wanted = trio.Event()
+        self._watch_reading: trio.CancelScope | None = None
+        self._watcher_started = False
 
     async def _receive(self) -> None:
         try:
@@ -329,18 +342,82 @@ class Downstream:
             self.h11.send_failed()
             raise ClientGone("client went away") from None
 
-    async def watch_for_disconnect(self, scope: trio.CancelScope) -> None:
-        """Read while nothing else does; cancel ``scope`` when the client closes.
+    def watch(self, scope: trio.CancelScope) -> None:
+        """Until :meth:`unwatch`: cancel ``scope`` when the client closes the connection.
 
         While the request body is still being read (streamed to the backend), its reader is the
-        one that notices a close; this watcher starts reading once the body has ended.
+        one that notices a close; the watcher reads once the body has ended, and keeps at most
+        64 KiB of what the client pipelines behind it (the rest waits in the socket). The
+        connection's watcher task starts with its first watched request and serves every later
+        one: watching costs a wake-up, not a task and a nursery per request.
         """
-        await self._request_read.wait()
+        self._watched = scope
+        if not self._watcher_started:
+            assert self.tasks is not None, "the server gives each connection its task nursery"
+            self._watcher_started = True
+            self.tasks.start_soon(self._watch)
+        self._watch_wanted.set()
+
+    def unwatch(self) -> None:
+        """Stop watching: the watcher's read (if it is in one) ends now, before anything else
+        can read the socket (trio withdraws a cancelled wait at once), and it waits for the
+        next :meth:`watch`."""
+        self._watched = None
+        if self._watch_wanted.is_set():
+            self._watch_wanted = trio.Event()
+        if self._watch_reading is not None:
+            self._watch_reading.cancel()
+            self._watch_reading = None
+
+    async def _watch(self) -> None:
+        """The connection's watcher task: for each watched request, read until the client
+        closes (then cancel the request's scope) or the request is unwatched."""
         while not self.gone:
-            if len(self.h11.trailing_data[0]) > _MAX_READ_AHEAD:
-                await trio.sleep_forever()  # far enough ahead: the rest waits in the socket
-            await self._receive()
-        scope.cancel()
+            await self._watch_wanted.wait()
+            scope = self._watched
+            if scope is None:
+                continue  # unwatched before this task ran: wait for the next one
+            with trio.CancelScope() as self._watch_reading:
+                try:
+                    if not self._request_read.is_set():
+                        await self._request_read.wait()
+                    while not self.gone and await self._watch_read(scope):
+                        if len(self.h11.trailing_data[0]) > _MAX_READ_AHEAD:
+                            await trio.sleep_forever()  # far enough ahead
+                except Exception:
+                    # Never expected; the connection's state is unknown, so it closes. The
+                    # connection's task nursery must not see it: that would end the server.
+                    log.exception("the disconnect watcher failed; closing the connection")
+                    self.gone = True
+            if self.gone and scope is self._watched:
+                scope.cancel()
+
+    async def _watch_read(self, scope: trio.CancelScope) -> bool:
+        """Wait until the client sends or closes, and take what it sent into h11 (a close sets
+        :attr:`gone`), unless ``scope`` stopped being watched meanwhile: its request is over
+        and the bytes belong to the connection's next read (False: nothing was taken).
+
+        The check sits between the wake-up and the ``recv``, with no checkpoint between: a
+        wake-up the scheduler already granted is not withdrawn by :meth:`unwatch`, so without it
+        this task could take the next request from under the connection's own reader."""
+        sock = self._sock
+        if sock is None:  # no socket to wait on (the server's streams always have one)
+            await trio.sleep_forever()
+            return False
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            if self._watched is not scope:
+                return False
+            try:
+                data = sock.recv(_READ_SIZE)
+            except BlockingIOError:  # woken without data: wait again
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self.gone = True
+            self.h11.receive_data(data)
+            return True
 
     @property
     def can_respond(self) -> bool:

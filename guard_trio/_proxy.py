@@ -330,38 +330,40 @@ class ProxyApp:
             notes.lane = lane
         started = trio.current_time()
         result: AdmissionResult | None = None
-        async with trio.open_nursery() as nursery:  # its scope: the client's
+        with trio.CancelScope() as client:  # cancelled when the client leaves
             # Once the request is read to its end (now, or after it is streamed upstream),
             # a closed client cancels everything: the wait, the upstream exchange.
-            nursery.start_soon(down.watch_for_disconnect, nursery.cancel_scope)
-            if begun is None:
-                begun = engine.begin(
-                    tier,
-                    path=path,
-                    body_bytes=length,
-                    trace_id=notes.trace_id,
-                    band=band,
-                    tenant=tenant,
-                )
-            notes.request_id = begun.request_id
-            result = await engine.settle(begun)
-            self.note_decision(notes, result, started)
-            if result.slot is not None:
-                notes.admission = Admission.ADMITTED
-                await self.serve_slot(
-                    down,
-                    request,
-                    headers,
-                    result,
-                    lane=lane,
-                    body=body,
-                    started=started,
-                    output_tokens=output_tokens,
-                    allowed=allowed,
-                    lead=lead,
-                )
-                self.end_exchange(down)  # before the watcher's cancellation yields
-            nursery.cancel_scope.cancel()
+            down.watch(client)
+            try:
+                if begun is None:
+                    begun = engine.begin(
+                        tier,
+                        path=path,
+                        body_bytes=length,
+                        trace_id=notes.trace_id,
+                        band=band,
+                        tenant=tenant,
+                    )
+                notes.request_id = begun.request_id
+                result = await engine.settle(begun)
+                self.note_decision(notes, result, started)
+                if result.slot is not None:
+                    notes.admission = Admission.ADMITTED
+                    await self.serve_slot(
+                        down,
+                        request,
+                        headers,
+                        result,
+                        lane=lane,
+                        body=body,
+                        started=started,
+                        output_tokens=output_tokens,
+                        allowed=allowed,
+                        lead=lead,
+                    )
+                    self.end_exchange(down)
+            finally:
+                down.unwatch()
         if result is None:  # the client left while waiting
             notes.admission, notes.disconnect = Admission.ABANDONED, Disconnect.QUEUE
             return

@@ -169,8 +169,12 @@ class GuardServer:
         down = Downstream(stream, str(peer), self.body_limits)
         self._connections[down] = None
         try:
-            with trio.CancelScope() as down.idle_scope:  # cancelled only while idle (the sweep)
-                await self._serve_connection(down)
+            # The connection's own tasks (its disconnect watcher, once a request is watched)
+            # end with it.
+            async with trio.open_nursery() as down.tasks:
+                with trio.CancelScope() as down.idle_scope:  # cancelled only while idle
+                    await self._serve_connection(down)
+                down.tasks.cancel_scope.cancel()
         finally:
             self._connections.pop(down, None)
             await down.close()

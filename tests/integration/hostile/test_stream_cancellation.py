@@ -554,3 +554,53 @@ async def test_t21_non_streaming_disconnect_closes_upstream(
     assert worst <= 2.5
     assert freed_s <= 3.0
     assert server.metrics.lanes[Lane.GLOBAL].inflight.value == 0
+
+
+# -- the connection's one watcher, across kept-alive requests --------------------------------------
+
+
+async def test_a_later_request_on_a_kept_alive_connection_is_watched_by_the_same_task(
+    start_upstream: Starter, start_guard: Starter, http: Any, monkeypatch: Any
+) -> None:
+    """Each connection has one disconnect watcher, started by its first admitted request and
+    woken for every later one: after two whole requests on one connection, a third that the
+    backend holds is still cancelled when the client leaves (upstream closed, every counter
+    back to zero), and no second watcher task was ever started. The kept-alive requests also
+    hold the watcher to its rule: a wake-up granted just before a request is unwatched must not
+    take the next request's bytes from the connection's reader (that request would hang)."""
+    from guard_trio._downstream import Downstream
+
+    started: list[Downstream] = []
+    watch = Downstream._watch
+
+    async def counted(self: Downstream) -> None:
+        started.append(self)
+        await watch(self)
+
+    monkeypatch.setattr(Downstream, "_watch", counted)
+    backend = FakeBackend()
+    upstream = await start_upstream(backend.script)
+    guard, server = await start_guard(guard_environ(upstream))
+    for abortive in (False, True):
+        started.clear()
+        connection = await http.connect(guard)
+        with trio.fail_after(10):
+            for ident in ("short-1", "short-2"):
+                tag = f"{ident}-{abortive}"
+                reply = await connection.request(
+                    "POST", CHAT, JSON_HEADERS, chat_body(tag, stream=True)
+                )
+                assert reply.status == 200
+                assert reply.body.count(b"data: ") == 4  # three events and [DONE]
+            held = f"long-{abortive}"
+            await connection.send_request("POST", CHAT, JSON_HEADERS, chat_body(held, stream=True))
+            head = await connection.response_head()
+            assert head.status_code == 200
+            assert await count_events(connection, 1) >= 1  # the backend holds it after one
+            closed = await client_close(connection, abortive=abortive)
+            await settle(server, upstream)
+        exchange = backend.exchanges[held]
+        assert exchange.closed_at is not None, "the held request's upstream never closed"
+        assert exchange.closed_at - closed <= 2.5
+        assert len(started) == 1, f"{len(started)} watcher tasks for one connection"
+    assert server.metrics.lanes[Lane.GLOBAL].inflight.value == 0
