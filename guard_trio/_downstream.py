@@ -28,7 +28,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import logging
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -59,8 +58,6 @@ __all__ = (
     "Downstream",
     "ResponseAborted",
 )
-
-log = logging.getLogger("inference_guard")
 
 _READ_SIZE = 65536
 #: While a request is in flight, stop reading ahead once this much of the next one is buffered.
@@ -112,12 +109,11 @@ class Downstream:
         self.idle_scope: trio.CancelScope | None = None
         #: Where the connection's watcher task runs (the server sets it; None: never watched).
         self.tasks: trio.Nursery | None = None
-        #: The watched request's scope (:meth:`watch`), the event that starts the watcher's
-        #: reading for it, and the scope of that reading (which :meth:`unwatch` cancels).
+        #: The watched request's scope (:meth:`watch`), where the watcher task waits for one
+        #: (None until the first), and the scope of its reading (which :meth:`unwatch` cancels).
         self._watched: trio.CancelScope | None = None
-        self._watch_wanted = trio.Event()
-        self._watch_reading: trio.CancelScope | None = None
-        self._watcher_started = False
+        self._watcher: trio.lowlevel.ParkingLot | None = None
+        self._watch_reading = trio.CancelScope()
 
     async def _receive(self) -> None:
         try:
@@ -195,11 +191,7 @@ class Downstream:
                 return None  # h11 reads the close: next_request says so
             self._raw = data
         request = read_simple_request(self._raw)
-        if (
-            request is None
-            or request.body_length > EARLY_DRAIN_BYTES
-            or request.body_length > self.limits.max_bytes
-        ):
+        if request is None or request.body_length > min(EARLY_DRAIN_BYTES, self.limits.max_bytes):
             self.defer_simple()
             return None
         return request
@@ -213,10 +205,8 @@ class Downstream:
             try:
                 if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
                     return False  # a request is arriving: it is served, not cut
-            except (BlockingIOError, InterruptedError):
-                pass
             except OSError:
-                pass  # a broken connection: ending the wait ends it
+                pass  # nothing there yet, or a broken connection: ending the wait ends it
         self.idle_scope.cancel()
         return True
 
@@ -352,72 +342,49 @@ class Downstream:
         one: watching costs a wake-up, not a task and a nursery per request.
         """
         self._watched = scope
-        if not self._watcher_started:
+        if self._watcher is None:
             assert self.tasks is not None, "the server gives each connection its task nursery"
-            self._watcher_started = True
-            self.tasks.start_soon(self._watch)
-        self._watch_wanted.set()
+            self._watcher = trio.lowlevel.ParkingLot()
+            self.tasks.start_soon(self._watch, self._watcher)
+        self._watcher.unpark()
 
     def unwatch(self) -> None:
         """Stop watching: the watcher's read (if it is in one) ends now, before anything else
-        can read the socket (trio withdraws a cancelled wait at once), and it waits for the
-        next :meth:`watch`."""
+        can read the socket (trio withdraws a cancelled wait at once)."""
         self._watched = None
-        if self._watch_wanted.is_set():
-            self._watch_wanted = trio.Event()
-        if self._watch_reading is not None:
-            self._watch_reading.cancel()
-            self._watch_reading = None
+        self._watch_reading.cancel()
 
-    async def _watch(self) -> None:
+    async def _watch(self, parked: trio.lowlevel.ParkingLot) -> None:
         """The connection's watcher task: for each watched request, read until the client
-        closes (then cancel the request's scope) or the request is unwatched."""
+        closes (then cancel the request's scope) or the request is unwatched.
+
+        A wake-up trio has already granted is not withdrawn by :meth:`unwatch`'s cancel, so the
+        read checks that its request is still watched between the wake-up and the ``recv``
+        (with no checkpoint between): else it could take the next request from under the
+        connection's own reader."""
         while not self.gone:
-            await self._watch_wanted.wait()
-            scope = self._watched
-            if scope is None:
-                continue  # unwatched before this task ran: wait for the next one
+            while (scope := self._watched) is None:
+                await parked.park()
             with trio.CancelScope() as self._watch_reading:
-                try:
-                    if not self._request_read.is_set():
-                        await self._request_read.wait()
-                    while not self.gone and await self._watch_read(scope):
-                        if len(self.h11.trailing_data[0]) > _MAX_READ_AHEAD:
-                            await trio.sleep_forever()  # far enough ahead
-                except Exception:
-                    # Never expected; the connection's state is unknown, so it closes. The
-                    # connection's task nursery must not see it: that would end the server.
-                    log.exception("the disconnect watcher failed; closing the connection")
-                    self.gone = True
+                if not self._request_read.is_set():
+                    await self._request_read.wait()
+                while not self.gone:
+                    sock = self._sock
+                    if sock is None or len(self.h11.trailing_data[0]) > _MAX_READ_AHEAD:
+                        await trio.sleep_forever()  # nothing to wait on, or far enough ahead
+                    await trio.lowlevel.wait_readable(sock)
+                    if self._watched is not scope:
+                        break  # its request is over: the bytes are the next request's
+                    try:
+                        data = sock.recv(_READ_SIZE)
+                    except BlockingIOError:  # woken without data: wait again
+                        continue
+                    except OSError:  # a reset: the client is gone too
+                        data = b""
+                    self.gone = not data
+                    self.h11.receive_data(data)
             if self.gone and scope is self._watched:
                 scope.cancel()
-
-    async def _watch_read(self, scope: trio.CancelScope) -> bool:
-        """Wait until the client sends or closes, and take what it sent into h11 (a close sets
-        :attr:`gone`), unless ``scope`` stopped being watched meanwhile: its request is over
-        and the bytes belong to the connection's next read (False: nothing was taken).
-
-        The check sits between the wake-up and the ``recv``, with no checkpoint between: a
-        wake-up the scheduler already granted is not withdrawn by :meth:`unwatch`, so without it
-        this task could take the next request from under the connection's own reader."""
-        sock = self._sock
-        if sock is None:  # no socket to wait on (the server's streams always have one)
-            await trio.sleep_forever()
-            return False
-        while True:
-            await trio.lowlevel.wait_readable(sock)
-            if self._watched is not scope:
-                return False
-            try:
-                data = sock.recv(_READ_SIZE)
-            except BlockingIOError:  # woken without data: wait again
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                self.gone = True
-            self.h11.receive_data(data)
-            return True
 
     @property
     def can_respond(self) -> bool:

@@ -302,15 +302,18 @@ class ProxyApp:
         notes.band, notes.tenant = band, tenant
         path = request.target.decode("latin-1").partition("?")[0]
         pooled = self.model_pools is not None
-        peek = begun is None and peek_first(length, classify=self.classify, pooled=pooled)
-        if peek and self.engine.refuses_at_once(tier, length, band, tenant):
-            # Decided from the head alone: the body is neither read nor parsed for a 429.
-            await self.refuse_early(down, tier, path=path, length=length)
-            return
+        # Refused from the head alone: the body is neither read nor parsed for the 429, and
+        # nothing is awaited before the attempt below, which the same state refuses at once.
+        early = (
+            begun is None
+            and peek_first(length, classify=self.classify, pooled=pooled)
+            and self.engine.refuses_at_once(tier, length, band, tenant)
+        )
         body: list[bytes] | None = None
         # A client waiting for 100 Continue gets it only once admitted (the body is read then).
         if (
-            length is not None
+            not early
+            and length is not None
             and length <= _BUFFER_LIMIT
             and not down.h11.they_are_waiting_for_100_continue
         ):
@@ -330,20 +333,16 @@ class ProxyApp:
             notes.lane = lane
         started = trio.current_time()
         result: AdmissionResult | None = None
+        trace_id = notes.trace_id
         with trio.CancelScope() as client:  # cancelled when the client leaves
             # Once the request is read to its end (now, or after it is streamed upstream),
             # a closed client cancels everything: the wait, the upstream exchange.
-            down.watch(client)
+            if not early:  # answered at once: nothing to watch
+                down.watch(client)
             try:
-                if begun is None:
-                    begun = engine.begin(
-                        tier,
-                        path=path,
-                        body_bytes=length,
-                        trace_id=notes.trace_id,
-                        band=band,
-                        tenant=tenant,
-                    )
+                begun = begun or engine.begin(
+                    tier, path=path, body_bytes=length, trace_id=trace_id, band=band, tenant=tenant
+                )
                 notes.request_id = begun.request_id
                 result = await engine.settle(begun)
                 self.note_decision(notes, result, started)
@@ -368,36 +367,10 @@ class ProxyApp:
             notes.admission, notes.disconnect = Admission.ABANDONED, Disconnect.QUEUE
             return
         if result.code is not None and not down.gone:
-            notes.admission, notes.code, notes.binding = (
-                Admission.REFUSED,
-                result.code,
-                result.binding,
-            )
+            notes.admission, notes.code = Admission.REFUSED, result.code
+            notes.binding = result.binding
             await down.skip_body()
             await self.too_many_requests(down, result.retry_after_s)
-
-    async def refuse_early(
-        self, down: Downstream, tier: Tier, *, path: str, length: int | None
-    ) -> None:
-        """The 429 of ``refuses_at_once``, through the engine (recorded and counted as any
-        refusal); a short body is dropped, a longer one left unread and the connection closed."""
-        started = trio.current_time()
-        notes = down.notes
-        # Nothing awaited since the peek: the same state gives the same immediate refusal.
-        labels = {"band": notes.band, "tenant": notes.tenant}
-        attempt = self.engine.begin(
-            tier, path=path, body_bytes=length, trace_id=notes.trace_id, **labels
-        )
-        result = await self.engine.settle(attempt)
-        if result.slot is not None:  # pragma: no cover - the reducer is deterministic
-            result.slot.release(0)
-        notes.request_id = attempt.request_id
-        self.note_decision(notes, result, started)
-        notes.admission = Admission.REFUSED
-        notes.code = result.code or RejectCode.GLOBAL_DYNAMIC_LIMIT
-        notes.binding = result.binding
-        await down.skip_body()
-        await self.too_many_requests(down, result.retry_after_s)
 
     @staticmethod
     def note_decision(notes: ExchangeNotes, result: AdmissionResult, started: float) -> None:

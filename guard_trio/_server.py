@@ -175,6 +175,8 @@ class GuardServer:
                 with trio.CancelScope() as down.idle_scope:  # cancelled only while idle
                     await self._serve_connection(down)
                 down.tasks.cancel_scope.cancel()
+        except Exception:  # a fault in this connection's own code ends it, not the server
+            log.exception("connection from %s failed", peer)
         finally:
             self._connections.pop(down, None)
             await down.close()
@@ -270,11 +272,7 @@ class GuardServer:
         self.active_requests += 1
         self._idle = trio.Event() if self.active_requests == 1 else self._idle
         try:
-            try:
-                await self.app.handle(down, request, begun)
-            except BaseExceptionGroup as group:
-                # A nursery on the request path wraps even a single failure; judge the failure.
-                raise _sole(group) from None
+            await self.app.handle(down, request, begun)
         except ClientGone:
             pass
         except BodyRefused as refused:
@@ -355,14 +353,6 @@ async def _refuse_body(down: Downstream, refused: BodyRefused) -> None:
         return
     with contextlib.suppress(ClientGone):
         await down.respond(refused.status, *body_refusal(refused.status))
-
-
-def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The one exception inside nested single-member groups, or the group itself."""
-    found: BaseException = group
-    while isinstance(found, BaseExceptionGroup) and len(found.exceptions) == 1:
-        found = found.exceptions[0]
-    return found
 
 
 #: How often idle backend connections are checked for a close from the backend.

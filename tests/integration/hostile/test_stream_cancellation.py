@@ -573,9 +573,9 @@ async def test_a_later_request_on_a_kept_alive_connection_is_watched_by_the_same
     started: list[Downstream] = []
     watch = Downstream._watch
 
-    async def counted(self: Downstream) -> None:
+    async def counted(self: Downstream, *args: Any) -> None:
         started.append(self)
-        await watch(self)
+        await watch(self, *args)
 
     monkeypatch.setattr(Downstream, "_watch", counted)
     backend = FakeBackend()
@@ -603,4 +603,35 @@ async def test_a_later_request_on_a_kept_alive_connection_is_watched_by_the_same
         assert exchange.closed_at is not None, "the held request's upstream never closed"
         assert exchange.closed_at - closed <= 2.5
         assert len(started) == 1, f"{len(started)} watcher tasks for one connection"
+    assert server.metrics.lanes[Lane.GLOBAL].inflight.value == 0
+
+
+async def test_a_fault_in_a_connections_watcher_ends_that_connection_not_the_server(
+    start_upstream: Starter, start_guard: Starter, http: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    """The watcher runs in its connection's own nursery: should it ever fail, the failure is
+    logged and that connection closes, and the server goes on serving every other one."""
+    from guard_trio._downstream import Downstream
+
+    async def failing(self: Downstream, *args: Any) -> None:
+        raise RuntimeError("watcher fault (test)")
+
+    monkeypatch.setattr(Downstream, "_watch", failing)
+    backend = FakeBackend()
+    upstream = await start_upstream(backend.script)
+    guard, server = await start_guard(guard_environ(upstream))
+    with trio.fail_after(10):
+        for round_ in range(3):
+            connection = await http.connect(guard)
+            await connection.send_request(
+                "POST", CHAT, JSON_HEADERS, chat_body(f"short-fault-{round_}", stream=True)
+            )
+            try:  # the exchange may complete, or the connection close under it
+                async for _ in connection.chunks():
+                    pass
+            except (AssertionError, h11.RemoteProtocolError, trio.BrokenResourceError):
+                pass
+            await connection.aclose()
+        await settle(server, upstream)
+    assert "watcher fault (test)" in caplog.text
     assert server.metrics.lanes[Lane.GLOBAL].inflight.value == 0
