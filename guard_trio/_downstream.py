@@ -92,6 +92,8 @@ class Downstream:
         #: The non-blocking stdlib socket under a plain TCP stream, for :meth:`send_raw`.
         self._sock = stdlib_socket(stream)
         self.limits = limits or BodyLimits()
+        #: The largest body the fast reader answers from (drained unread when refused).
+        self._simple_body_limit = min(EARLY_DRAIN_BYTES, self.limits.max_bytes)
         #: The connection closes after the current response (which says ``Connection: close``).
         self.closing = False
         self._declared: int | None = 0
@@ -191,7 +193,7 @@ class Downstream:
                 return None  # h11 reads the close: next_request says so
             self._raw = data
         request = read_simple_request(self._raw)
-        if request is None or request.body_length > min(EARLY_DRAIN_BYTES, self.limits.max_bytes):
+        if request is None or request.body_length > self._simple_body_limit:
             self.defer_simple()
             return None
         return request
