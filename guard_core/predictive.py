@@ -54,6 +54,7 @@ from guard_core.settings import (
     require_valid,
     setting,
 )
+from guard_core.table import filed, forgotten
 
 __all__ = (
     "Binding",
@@ -395,7 +396,7 @@ def forwarded(
         return state
     tokens = state.prompt_tokens(body_bytes)
     tracked = _Tracked(tokens, body_bytes, at, state.first_token_s(tokens, at=at))
-    requests = {**state.requests, request_id: tracked}
+    requests = filed(state.requests, request_id, tracked)
     state = _replace(
         state,
         requests=requests,
@@ -421,7 +422,7 @@ def sent_to(state: PredictiveState, request_id: int, backend: str) -> Predictive
     if tracked is None or tracked.backend == backend:
         return state
     return _replace(
-        state, requests={**state.requests, request_id: attrs.evolve(tracked, backend=backend)}
+        state, requests=filed(state.requests, request_id, attrs.evolve(tracked, backend=backend))
     )
 
 
@@ -432,7 +433,7 @@ def first_token(state: PredictiveState, request_id: int | None, *, at: float) ->
     tracked = state.requests.get(request_id)
     if tracked is None or tracked.first_at is not None:
         return state
-    requests = {**state.requests, request_id: attrs.evolve(tracked, first_at=at)}
+    requests = filed(state.requests, request_id, attrs.evolve(tracked, first_at=at))
     size = tracked.body_bytes if tracked.body_bytes is not None else tracked.tokens * state.ratio
     ttft_ratio = state.ttft_ratio
     if tracked.predicted_first_s >= _MIN_PREDICTED_FIRST_S:
@@ -460,8 +461,7 @@ def finished(state: PredictiveState, request_id: int, *, at: float) -> Predictiv
     tracked = state.requests.get(request_id)
     if tracked is None:
         return state
-    requests = dict(state.requests)  # a copy in C, not a pass in Python
-    del requests[request_id]
+    requests = forgotten(state.requests, request_id)
     changes: dict[str, Any] = {
         "requests": requests,
         "inflight_prompt_tokens": max(0.0, state.inflight_prompt_tokens - tracked.tokens),

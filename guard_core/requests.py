@@ -42,6 +42,7 @@ from guard_core.pool_admission import is_pool, pool_assess
 from guard_core.predictive import Prediction, PredictiveState
 from guard_core.predictive_cap import retry_after_s
 from guard_core.prefill_guard import grace_s
+from guard_core.table import filed, forgotten
 from guard_core.tier import Tier, premium_reserved
 
 if TYPE_CHECKING:
@@ -83,11 +84,10 @@ def _with(
     copy of the state per event."""
     if tracked is None and request_id not in state.requests:
         return replace(state, **changes)  # never filed (refused at once): the table stays
-    requests = dict(state.requests)
     if tracked is None:
-        del requests[request_id]
+        requests = forgotten(state.requests, request_id)
     else:
-        requests[request_id] = tracked
+        requests = filed(state.requests, request_id, tracked)
     return replace(state, requests=requests, **changes)
 
 
@@ -255,9 +255,7 @@ def _forward(state: GuardState, request_id: int, tracked: Tracked, at: float) ->
     """An admitted request starts its prefill grace."""
     learner = state.learner
     deadline = at + grace_s(learner.config, tracked.body_bytes)
-    prefill = dict(learner.prefill)
-    prefill[request_id] = deadline
-    learner = replace(learner, prefill=prefill)
+    learner = replace(learner, prefill=filed(learner.prefill, request_id, deadline))
     predictive = state.predictive
     if predictive is not None:
         predictive = predictive_rules.forwarded(
@@ -293,9 +291,7 @@ def _finish(
         return _with(state, request_id, None, gate=gate)
     learner = state.learner
     if request_id in learner.prefill:  # else a poll already dropped its passed grace
-        prefill = dict(learner.prefill)
-        del prefill[request_id]
-        learner = replace(learner, prefill=prefill)
+        learner = replace(learner, prefill=forgotten(learner.prefill, request_id))
     predictive = state.predictive
     if predictive is not None:
         predictive = predictive_rules.finished(predictive, request_id, at=at)
