@@ -11,8 +11,9 @@ Guarantees:
   had the same key) cached on the backend that earlier request went to, while the prompt tokens
   sent to that backend since then fit in its cache (a capacity not known: still cached); every
   other backend is expected to hold none of it;
-- pure: the same placements and inputs give the same figures; a placement copies the table
-  (at most ``memory`` entries) and changes nothing else.
+- pure: the same placements and inputs give the same figures; a placement makes a new table
+  (a :class:`~guard_core.table.Table`: it copies about the square root of ``memory`` entries)
+  and changes nothing else.
 
 The pool router (:mod:`guard_core.pool_routing`) weighs these expected cached tokens against
 each backend's pending prefill; the live proxy keeps one table per pool in the core's traffic
@@ -24,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import attrs
+
+from guard_core.table import filed, forgotten
 
 __all__ = ("DEFAULT_MEMORY", "Placed", "Placements", "cached_tokens", "placed")
 
@@ -64,11 +67,9 @@ def placed(
     sent = {**placements.sent, backend: placements.sent.get(backend, 0.0) + tokens}
     if key is None:
         return Placements(memory=placements.memory, keys=placements.keys, sent=sent)
-    keys = dict(placements.keys)
-    keys.pop(key, None)
-    keys[key] = Placed(backend, tokens, sent[backend])
+    keys = filed(forgotten(placements.keys, key), key, Placed(backend, tokens, sent[backend]))
     while len(keys) > placements.memory:
-        del keys[next(iter(keys))]
+        keys = forgotten(keys, next(iter(keys)))
     return Placements(memory=placements.memory, keys=keys, sent=sent)
 
 
