@@ -71,28 +71,23 @@ class BackendLoad:
 
 def backend_loads(state: PredictiveState, *, at: float) -> dict[str, BackendLoad] | None:
     """Each backend's own load, from the requests the runtime placed (:func:`sent_to`);
-    ``None`` when no request in flight has a backend (the share rule applies then)."""
-    counts: dict[str, list[float]] = {}
-    total_weight = 0.0
+    ``None`` when no request in flight has a backend (the share rule applies then). Read from
+    the learner's running figures per backend (``PredictiveState.loads``), so its cost is the
+    number of backends, not of the requests in flight."""
     horizon = state.horizon
-    for tracked in state.requests.values():
-        weight = tracked.tokens * math.exp(-max(0.0, at - tracked.forwarded_at) / horizon)
-        total_weight += weight
-        if tracked.backend is None:
-            continue
-        row = counts.setdefault(tracked.backend, [0.0, 0.0, 0.0, 0.0])
-        if tracked.first_at is None:
-            row[0] += 1
-            row[1] += tracked.tokens
-        else:
-            row[2] += 1
-        row[3] += weight
-    if not counts:
-        return None
-    return {
-        name: BackendLoad(row[0], row[1], row[2], row[3] / total_weight if total_weight else 0.0)
-        for name, row in counts.items()
+    weights = {name: load.weight_as_of(at, horizon) for name, load in state.loads.items()}
+    total_weight = sum(weights.values())
+    loads = {
+        name: BackendLoad(
+            load.pending_count,
+            load.pending_tokens,
+            load.decoders,
+            weights[name] / total_weight if total_weight else 0.0,
+        )
+        for name, load in state.loads.items()
+        if name is not None
     }
+    return loads or None
 
 
 def _shared_load(state: PredictiveState, *, inflight: int, pool_inflight: int) -> BackendLoad:

@@ -62,6 +62,7 @@ __all__ = (
     "Prediction",
     "PredictiveConfig",
     "PredictiveState",
+    "SentLoad",
     "Verdict",
     "assess",
     "finished",
@@ -237,6 +238,83 @@ class _Tracked:
     backend: str | None = None
 
 
+@attrs.frozen
+class SentLoad:
+    """The running figures of the requests in flight sent to one backend (or, under ``None``,
+    forwarded and not yet placed): what the pool rules read of each backend's own load, kept
+    per event so that reading it never walks every request in flight."""
+
+    count: int = 0
+    #: Those still without a first token, and their prompt tokens; those decoding.
+    pending_count: int = 0
+    pending_tokens: float = 0.0
+    decoders: int = 0
+    #: Their prompt tokens, each decayed with the horizon from its forwarding, as of
+    #: ``weight_at`` (a later reading decays the sum as a whole).
+    weight: float = 0.0
+    weight_at: float = 0.0
+
+    def joined(self, tracked: _Tracked, horizon: float) -> SentLoad:
+        """With ``tracked`` (forwarded, or placed here) added."""
+        start = tracked.forwarded_at
+        weight, weight_at = self.weight, self.weight_at
+        if self.count == 0:
+            weight, weight_at = 0.0, start
+        elif start > weight_at:  # moved forward, so that no weight grows past its tokens
+            weight *= math.exp((weight_at - start) / horizon)
+            weight_at = start
+        weight += tracked.tokens * math.exp((start - weight_at) / horizon)
+        decoding = tracked.first_at is not None
+        return SentLoad(
+            self.count + 1,
+            self.pending_count + (0 if decoding else 1),
+            self.pending_tokens + (0.0 if decoding else tracked.tokens),
+            self.decoders + (1 if decoding else 0),
+            weight,
+            weight_at,
+        )
+
+    def left(self, tracked: _Tracked, horizon: float) -> SentLoad:
+        """With ``tracked`` (ended, or placed elsewhere) taken out; empty is exactly zero."""
+        if self.count <= 1:
+            return SentLoad()
+        share = tracked.tokens * math.exp((tracked.forwarded_at - self.weight_at) / horizon)
+        decoding = tracked.first_at is not None
+        return SentLoad(
+            self.count - 1,
+            self.pending_count - (0 if decoding else 1),
+            max(0.0, self.pending_tokens - (0.0 if decoding else tracked.tokens)),
+            self.decoders - (1 if decoding else 0),
+            max(0.0, self.weight - share),
+            self.weight_at,
+        )
+
+    def weight_as_of(self, at: float, horizon: float) -> float:
+        return self.weight * math.exp(min(0.0, self.weight_at - at) / horizon)
+
+
+def _moved(
+    loads: Mapping[str | None, SentLoad],
+    horizon: float,
+    *,
+    gone: tuple[str | None, _Tracked] | None = None,
+    came: tuple[str | None, _Tracked] | None = None,
+) -> dict[str | None, SentLoad]:
+    """``loads`` with a request taken out of one backend's figures and/or added to another's."""
+    changed = dict(loads)
+    if gone is not None:
+        name, tracked = gone
+        left = changed.get(name, SentLoad()).left(tracked, horizon)
+        if left.count:
+            changed[name] = left
+        else:
+            changed.pop(name, None)
+    if came is not None:
+        name, tracked = came
+        changed[name] = changed.get(name, SentLoad()).joined(tracked, horizon)
+    return changed
+
+
 @attrs.frozen(kw_only=True)
 class PredictiveState:
     """Everything the predictive learner carries."""
@@ -248,6 +326,8 @@ class PredictiveState:
     healthy: int = 0
     #: Requests forwarded and not yet ended (never mutated in place).
     requests: Mapping[int, _Tracked] = attrs.field(factory=dict)
+    #: The same requests' figures per backend they were sent to (``None``: not placed yet).
+    loads: Mapping[str | None, SentLoad] = attrs.field(factory=dict)
     pending_tokens: float = 0.0
     pending_count: int = 0
     decoders: int = 0
@@ -400,6 +480,7 @@ def forwarded(
     state = _replace(
         state,
         requests=requests,
+        loads=_moved(state.loads, state.horizon, came=(None, tracked)),
         pending_tokens=state.pending_tokens + tokens,
         pending_count=state.pending_count + 1,
         inflight_prompt_tokens=state.inflight_prompt_tokens + tokens,
@@ -421,9 +502,11 @@ def sent_to(state: PredictiveState, request_id: int, backend: str) -> Predictive
     tracked = state.requests.get(request_id)
     if tracked is None or tracked.backend == backend:
         return state
-    return _replace(
-        state, requests=filed(state.requests, request_id, attrs.evolve(tracked, backend=backend))
+    placed = attrs.evolve(tracked, backend=backend)
+    loads = _moved(
+        state.loads, state.horizon, gone=(tracked.backend, tracked), came=(backend, placed)
     )
+    return _replace(state, requests=filed(state.requests, request_id, placed), loads=loads)
 
 
 def first_token(state: PredictiveState, request_id: int | None, *, at: float) -> PredictiveState:
@@ -433,7 +516,14 @@ def first_token(state: PredictiveState, request_id: int | None, *, at: float) ->
     tracked = state.requests.get(request_id)
     if tracked is None or tracked.first_at is not None:
         return state
-    requests = filed(state.requests, request_id, attrs.evolve(tracked, first_at=at))
+    decoding = attrs.evolve(tracked, first_at=at)
+    requests = filed(state.requests, request_id, decoding)
+    loads = _moved(
+        state.loads,
+        state.horizon,
+        gone=(tracked.backend, tracked),
+        came=(tracked.backend, decoding),
+    )
     size = tracked.body_bytes if tracked.body_bytes is not None else tracked.tokens * state.ratio
     ttft_ratio = state.ttft_ratio
     if tracked.predicted_first_s >= _MIN_PREDICTED_FIRST_S:
@@ -448,6 +538,7 @@ def first_token(state: PredictiveState, request_id: int | None, *, at: float) ->
         state,
         ttft_ratio=ttft_ratio,
         requests=requests,
+        loads=loads,
         pending_tokens=max(0.0, state.pending_tokens - tracked.tokens),
         pending_count=max(0, state.pending_count - 1),
         decoders=state.decoders + 1,
@@ -464,6 +555,7 @@ def finished(state: PredictiveState, request_id: int, *, at: float) -> Predictiv
     requests = forgotten(state.requests, request_id)
     changes: dict[str, Any] = {
         "requests": requests,
+        "loads": _moved(state.loads, state.horizon, gone=(tracked.backend, tracked)),
         "inflight_prompt_tokens": max(0.0, state.inflight_prompt_tokens - tracked.tokens),
     }
     if tracked.first_at is None:
