@@ -2,8 +2,9 @@
 
 Run: ``python bench/bench_core.py`` (also part of ``nox -s bench``). Prints medians of several
 repeats; nothing is asserted. Goals (PRODUCT.md): admission <= 10 us, poll evaluation <= 200 us
-(the predictive learner's rows are five events per request and PIG's pipeline plus the fit per
-poll, so their goals are four and two times those),
+(the predictive learner's rows are four events per request and PIG's pipeline plus the fit per
+poll, so their goals are four and two times those; the pool rows have none: they show that
+reading each backend's load costs the same with 2,000 requests in flight as with 20),
 one parse of the real vLLM metrics page <= 200 us (bench_metrics_parse.py compares parsers).
 """
 
@@ -44,7 +45,9 @@ from guard_core import (
     apply_guard_event,
     evaluate,
 )
+from guard_core.backend_prediction import backend_loads
 from guard_core.decision import DecisionSource, LimitReason, LoadState
+from guard_core.traffic import BackendForwarded
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "tests/fixtures/metrics/vllm-0.10-nvcr25.09-qwen3-4b-fp8-idle-after-6req.prom"
@@ -143,6 +146,48 @@ def predictive_admission() -> float:
     return median_us(once, 2_000)
 
 
+def _predictive_pool(held: int) -> tuple[GuardState, float]:
+    """A predictive guard over four backends that has learned from a few polls, with ``held``
+    requests in flight spread over them (each placed: the pool rules read each one's load)."""
+    names = tuple(f"b{index}" for index in range(4))
+    # Filled under the static cap: the learner would refuse most of them.
+    config = GuardConfig(
+        gate=GateConfig(global_limit=100_000, dynamic=False),
+        policy=PolicyConfig(global_limit=100_000),
+        predictive=PredictiveConfig(),
+    )
+    state = GuardState.initial(config, at=0.0)
+    at = 0.0
+    for poll in range(1, 8):
+        at = float(poll)
+        tokens = 1200.0 * poll
+        sample = BackendSample(
+            flavour=Flavour.VLLM, running=40.0, waiting=0.0, kv_usage=0.2,
+            generation_tokens=tokens, prompt_tokens=3000.0 * poll,
+            inter_token_latency=Histogram(((math.inf, tokens),), tokens, tokens * 0.02),
+        )  # fmt: skip
+        polls = tuple(BackendPoll(name=name, sample=sample) for name in names)
+        state = apply_guard_event(state, MetricsPolled(at, polls)).state
+    for rid in range(held):
+        arrived = Arrived(at=at, request_id=rid, tier=Tier.BASIC, body_bytes=2000)
+        state = apply_guard_event(state, arrived).state
+        state = apply_guard_event(state, Forwarded(at=at, request_id=rid)).state
+        placed = BackendForwarded(at=at, backend=names[rid % 4], request_id=rid)
+        state = apply_guard_event(state, placed).state
+    assert len(state.requests) == held
+    return state, at
+
+
+def pool_loads(held: int) -> float:
+    """The pool rules' reading of each backend's own load (``backend_loads``), done once to
+    admit and once to route every request, with ``held`` requests in flight over four backends."""
+    state, at = _predictive_pool(held)
+    predictive = state.predictive
+    assert predictive is not None
+    assert backend_loads(predictive, at=at) is not None
+    return median_us(lambda: backend_loads(predictive, at=at), 200)
+
+
 def predictive_poll() -> float:
     """One poll with the predictive learner: PIG's pipeline plus the fit and the cap."""
     state, at = _predictive_guard()
@@ -169,12 +214,14 @@ def main() -> None:
         ("poll evaluation (learning pipeline)", poll_evaluation(), 200.0),
         ("predictive: attempt+forward+first+end", predictive_admission(), 40.0),
         ("predictive: one poll (PIG's + the fit)", predictive_poll(), 400.0),
+        ("pool of 4: each backend's load, 20 held", pool_loads(20), None),
+        ("  the same with 2,000 held", pool_loads(2_000), None),
         ("metrics page parse (vLLM 0.10, 46 KB)", metrics_parse(), 200.0),
     ]
     print(f"guard_core micro-benchmarks on {build}, median of 7 repeats")
     print(f"{'what':42} {'us':>9} {'goal us':>8}")
     for name, value, goal in rows:
-        print(f"{name:42} {value:9.2f} {goal:8.0f}")
+        print(f"{name:42} {value:9.2f} {'-' if goal is None else f'{goal:.0f}':>8}")
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ class _Tracked:
     backend: str | None = None
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # made several times per request: see guard_core._values
 class SentLoad:
     """The running figures of the requests in flight sent to one backend (or, under ``None``,
     forwarded and not yet placed): what the pool rules read of each backend's own load, kept
@@ -286,6 +286,17 @@ class SentLoad:
             max(0.0, self.pending_tokens - (0.0 if decoding else tracked.tokens)),
             self.decoders - (1 if decoding else 0),
             max(0.0, self.weight - share),
+            self.weight_at,
+        )
+
+    def first_token(self, tracked: _Tracked) -> SentLoad:
+        """With ``tracked`` (pending here) decoding from now on."""
+        return SentLoad(
+            self.count,
+            self.pending_count - 1,
+            max(0.0, self.pending_tokens - tracked.tokens),
+            self.decoders + 1,
+            self.weight,
             self.weight_at,
         )
 
@@ -516,14 +527,9 @@ def first_token(state: PredictiveState, request_id: int | None, *, at: float) ->
     tracked = state.requests.get(request_id)
     if tracked is None or tracked.first_at is not None:
         return state
-    decoding = attrs.evolve(tracked, first_at=at)
-    requests = filed(state.requests, request_id, decoding)
-    loads = _moved(
-        state.loads,
-        state.horizon,
-        gone=(tracked.backend, tracked),
-        came=(tracked.backend, decoding),
-    )
+    requests = filed(state.requests, request_id, attrs.evolve(tracked, first_at=at))
+    loads = dict(state.loads)
+    loads[tracked.backend] = loads[tracked.backend].first_token(tracked)
     size = tracked.body_bytes if tracked.body_bytes is not None else tracked.tokens * state.ratio
     ttft_ratio = state.ttft_ratio
     if tracked.predicted_first_s >= _MIN_PREDICTED_FIRST_S:
