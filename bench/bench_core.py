@@ -3,8 +3,9 @@
 Run: ``python bench/bench_core.py`` (also part of ``nox -s bench``). Prints medians of several
 repeats; nothing is asserted. Goals (PRODUCT.md): admission <= 10 us, poll evaluation <= 200 us
 (the predictive learner's rows are four events per request and PIG's pipeline plus the fit per
-poll, so their goals are four and two times those; the pool rows have none: they show that
-reading each backend's load costs the same with 2,000 requests in flight as with 20),
+poll, so their goals are four and two times those; the short-wait and pool rows have none:
+they show that a held request costs about the same with 2,000 others waiting as with 10, and
+reading each backend's load the same with 2,000 requests in flight as with 20),
 one parse of the real vLLM metrics page <= 200 us (bench_metrics_parse.py compares parsers).
 """
 
@@ -38,6 +39,7 @@ from guard_core import (
     PolicyConfig,
     PredictiveConfig,
     PublishedDecision,
+    Retried,
     SlotReleased,
     SlotRequested,
     Tier,
@@ -46,7 +48,7 @@ from guard_core import (
     evaluate,
 )
 from guard_core.backend_prediction import backend_loads
-from guard_core.decision import DecisionSource, LimitReason, LoadState
+from guard_core.decision import DecisionSource, LimitReason, LoadState, Queued
 from guard_core.traffic import BackendForwarded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,6 +190,29 @@ def pool_loads(held: int) -> float:
     return median_us(lambda: backend_loads(predictive, at=at), 200)
 
 
+def short_wait(waiting: int) -> float:
+    """A request held in the short wait and refused at its deadline (its arrival and its retry),
+    with the one slot taken and ``waiting`` others waiting: the refusal path of an overload
+    that holds requests first."""
+    config = GuardConfig(
+        gate=GateConfig(global_limit=1, dynamic=False), policy=PolicyConfig(global_limit=1)
+    )
+    state = GuardState.initial(config, at=0.0)
+    for rid in range(waiting + 1):  # the first takes the slot, the others wait
+        arrived = Arrived(at=0.0, request_id=rid, tier=Tier.BASIC, body_bytes=2000)
+        state = apply_guard_event(state, arrived).state
+    assert len(state.requests) == waiting + 1
+    arrived = Arrived(at=0.1, request_id=1_000_000, tier=Tier.BASIC, body_bytes=2000)
+    queued = apply_guard_event(state, arrived)
+    assert isinstance(queued.outcome, Queued)
+    retried = Retried(at=queued.outcome.deadline, request_id=1_000_000)
+
+    def once() -> None:
+        apply_guard_event(apply_guard_event(state, arrived).state, retried)
+
+    return median_us(once, 500)
+
+
 def predictive_poll() -> float:
     """One poll with the predictive learner: PIG's pipeline plus the fit and the cap."""
     state, at = _predictive_guard()
@@ -214,6 +239,8 @@ def main() -> None:
         ("poll evaluation (learning pipeline)", poll_evaluation(), 200.0),
         ("predictive: attempt+forward+first+end", predictive_admission(), 40.0),
         ("predictive: one poll (PIG's + the fit)", predictive_poll(), 400.0),
+        ("a short wait refused at its end, 10 waiting", short_wait(10), None),
+        ("  the same with 2,000 waiting", short_wait(2_000), None),
         ("pool of 4: each backend's load, 20 held", pool_loads(20), None),
         ("  the same with 2,000 held", pool_loads(2_000), None),
         ("metrics page parse (vLLM 0.10, 46 KB)", metrics_parse(), 200.0),
