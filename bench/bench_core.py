@@ -4,8 +4,9 @@ Run: ``python bench/bench_core.py`` (also part of ``nox -s bench``). Prints medi
 repeats; nothing is asserted. Goals (PRODUCT.md): admission <= 10 us, poll evaluation <= 200 us
 (the predictive learner's rows are four events per request and PIG's pipeline plus the fit per
 poll, so their goals are four and two times those; the short-wait and pool rows have none:
-they show that a held request costs about the same with 2,000 others waiting as with 10, and
-reading each backend's load the same with 2,000 requests in flight as with 20),
+they show that a held request costs about the same with 2,000 others waiting as with 10,
+reading each backend's load the same with 2,000 requests in flight as with 20, and a placement
+in the router's full memory of 4,096 prefix keys a few microseconds),
 one parse of the real vLLM metrics page <= 200 us (bench_metrics_parse.py compares parsers).
 """
 
@@ -49,6 +50,7 @@ from guard_core import (
 )
 from guard_core.backend_prediction import backend_loads
 from guard_core.decision import DecisionSource, LimitReason, LoadState, Queued
+from guard_core.placements import DEFAULT_MEMORY, Placements, placed
 from guard_core.traffic import BackendForwarded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,6 +215,20 @@ def short_wait(waiting: int) -> float:
     return median_us(once, 500)
 
 
+def placement() -> float:
+    """The pool router's memory after one more placement, with its 4,096 prefix keys full (the
+    proxy and the simulator make one per routed request with a key)."""
+    placements = Placements()
+    for key in range(DEFAULT_MEMORY):
+        placements = placed(placements, key, "b0", 512.0)
+    keys = iter(range(10**9))  # each call a new key: a touch and an eviction
+
+    def once() -> None:
+        placed(placements, next(keys) % (2 * DEFAULT_MEMORY), "b1", 512.0)
+
+    return median_us(once, 2_000)
+
+
 def predictive_poll() -> float:
     """One poll with the predictive learner: PIG's pipeline plus the fit and the cap."""
     state, at = _predictive_guard()
@@ -241,6 +257,7 @@ def main() -> None:
         ("predictive: one poll (PIG's + the fit)", predictive_poll(), 400.0),
         ("a short wait refused at its end, 10 waiting", short_wait(10), None),
         ("  the same with 2,000 waiting", short_wait(2_000), None),
+        ("a placement in a full prefix memory", placement(), None),
         ("pool of 4: each backend's load, 20 held", pool_loads(20), None),
         ("  the same with 2,000 held", pool_loads(2_000), None),
         ("metrics page parse (vLLM 0.10, 46 KB)", metrics_parse(), 200.0),
