@@ -106,9 +106,8 @@ def poll_evaluation() -> float:
     return median_us(once, 2_000)
 
 
-def _predictive_guard() -> tuple[GuardState, float]:
-    """A predictive guard that has learned from a few polls, with 20 requests in flight."""
-    state = GuardState.initial(GuardConfig(predictive=PredictiveConfig()), at=0.0)
+def _learned(state: GuardState, names: tuple[str, ...]) -> tuple[GuardState, float]:
+    """``state`` after seven polls of the backends ``names`` (the same steady samples each)."""
     at = 0.0
     for poll in range(1, 8):
         at = float(poll)
@@ -118,8 +117,15 @@ def _predictive_guard() -> tuple[GuardState, float]:
             generation_tokens=tokens, prompt_tokens=3000.0 * poll,
             inter_token_latency=Histogram(((math.inf, tokens),), tokens, tokens * 0.02),
         )  # fmt: skip
-        polled = MetricsPolled(at, (BackendPoll(name="b", sample=sample),))
-        state = apply_guard_event(state, polled).state
+        polls = tuple(BackendPoll(name=name, sample=sample) for name in names)
+        state = apply_guard_event(state, MetricsPolled(at, polls)).state
+    return state, at
+
+
+def _predictive_guard() -> tuple[GuardState, float]:
+    """A predictive guard that has learned from a few polls, with 20 requests in flight."""
+    initial = GuardState.initial(GuardConfig(predictive=PredictiveConfig()), at=0.0)
+    state, at = _learned(initial, ("b",))
     for rid in range(20):
         arrived = Arrived(at=at, request_id=rid, tier=Tier.BASIC, body_bytes=2000)
         step = apply_guard_event(state, arrived)
@@ -160,18 +166,7 @@ def _predictive_pool(held: int) -> tuple[GuardState, float]:
         policy=PolicyConfig(global_limit=100_000),
         predictive=PredictiveConfig(),
     )
-    state = GuardState.initial(config, at=0.0)
-    at = 0.0
-    for poll in range(1, 8):
-        at = float(poll)
-        tokens = 1200.0 * poll
-        sample = BackendSample(
-            flavour=Flavour.VLLM, running=40.0, waiting=0.0, kv_usage=0.2,
-            generation_tokens=tokens, prompt_tokens=3000.0 * poll,
-            inter_token_latency=Histogram(((math.inf, tokens),), tokens, tokens * 0.02),
-        )  # fmt: skip
-        polls = tuple(BackendPoll(name=name, sample=sample) for name in names)
-        state = apply_guard_event(state, MetricsPolled(at, polls)).state
+    state, at = _learned(GuardState.initial(config, at=0.0), names)
     for rid in range(held):
         arrived = Arrived(at=at, request_id=rid, tier=Tier.BASIC, body_bytes=2000)
         state = apply_guard_event(state, arrived).state
