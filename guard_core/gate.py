@@ -290,6 +290,8 @@ def refuse(state: GateState, event: SlotRequested | WaitRetried, code: RejectCod
         tier = queued.tier
         if event.at >= queued.deadline or short_wait_s(state.decision, code, state.config) <= 0:
             return GateStep(_with_counts(state, tier, inflight=0, waiting=-1), Rejected(code))
+        if code is queued.code:
+            return GateStep(state, queued)  # still waiting for the same reason: nothing moves
         return GateStep(state, attrs.evolve(queued, code=code))
     wait = short_wait_s(state.decision, code, state.config)
     if event.wait_cap_s is not None:

@@ -220,6 +220,8 @@ def _attempt(
         and request_id not in state.requests
     ):
         return state, outcome  # a refusal at once that changes nothing copies nothing
+    if unchanged and outcome is tracked.queued and flow is state.flow and traffic is state.traffic:
+        return state, outcome  # a retry that still waits for the same reason changes nothing
     filed: Tracked | None = None
     if isinstance(outcome, Admitted):
         filed = replace(tracked, queued=None)

@@ -140,6 +140,23 @@ def test_no_step_is_seen_half_done_and_no_slot_leaks(
     assert dict(state.learner.prefill) == {}
 
 
+@given(configs(), streams())
+def test_a_retry_that_changes_nothing_copies_nothing(
+    config: GuardConfig, events: list[GuardEvent]
+) -> None:
+    # The engine retries every waiter on each release and poll, so a retry that still waits
+    # for the same reason must hand back the very state it was given, not an equal copy.
+    state = GuardState.initial(config, at=0.0)
+    at = 0.0
+    for event in events:
+        at = getattr(event, "at", at)
+        state = apply_guard_event(state, event).state
+        for rid in [rid for rid, tracked in state.requests.items() if tracked.queued]:
+            retried = apply_guard_event(state, Retried(at=at, request_id=rid)).state
+            if retried == state:
+                assert retried is state, f"retrying {rid} changed nothing but copied the state"
+
+
 @given(configs(), streams(), st.integers(0, 40))
 def test_the_same_events_fold_to_the_same_state(
     config: GuardConfig, events: list[GuardEvent], cut: int
