@@ -9,9 +9,14 @@ Guarantees:
   (trio is single-threaded and none of these methods awaits while changing state); the
   proxy's side of a request is said in the request events of :mod:`guard_core.events`, and
   what it saw of backends in the traffic and health events (:meth:`GuardEngine.tell`);
-- a waiting request wakes on every release and every poll (a broadcast), at its fallback
-  re-check time, and at its deadline, and always ends with a slot or a refusal; a waiter whose
-  task is cancelled (its client left) is removed from the queue and never admitted;
+- a waiting request is retried on every release and every poll, at its fallback re-check
+  time, and at its deadline, and always ends with a slot or a refusal; a waiter whose task is
+  cancelled (its client left) is removed from the queue and never admitted. The engine retries
+  the waiters itself, in the releasing (or polling) task, and wakes only the ones whose wait
+  ended: PIG's broadcast, every waiter retrying, without a task switch per waiter. A broadcast
+  has no FIFO order; the retries go in arrival order or its reverse, at random on each
+  wake-up, which is how trio's scheduler ran the tasks one event woke (it reverses each batch
+  of runnable tasks half the time);
 - a slot is released exactly once: :class:`Slot` ignores a second release, so ``finally`` blocks
   on every path may call it safely;
 - every request event it applied is handed, in order, to the listener (the recorder), when
@@ -26,6 +31,7 @@ Guarantees:
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Iterator, Mapping
 
 import attrs
@@ -88,7 +94,7 @@ class Slot:
         self.engine._apply(FirstToken(at=at, request_id=self.request_id, seconds=seconds))
         if self.engine.state.predictive is not None:
             # A prefill ended: the predictive learner may have room again for a waiter.
-            self.engine._notify()
+            self.engine.retry_waiters()
 
     def release(self, status: int = 0, output_tokens: int | None = None) -> None:
         """Give the slot back; ``output_tokens``: what the response delivered, when counted
@@ -102,7 +108,7 @@ class Slot:
             at=engine._at(), request_id=self.request_id, status=status, output_tokens=output_tokens
         )
         engine._apply(ended)
-        engine._notify()
+        engine.retry_waiters()
 
 
 @attrs.frozen
@@ -135,6 +141,16 @@ class Attempt:
     engine: GuardEngine | None = None
 
 
+@attrs.define(eq=False)
+class _Waiter:
+    """A waiting attempt's task, as the engine retries it: the event that wakes it when its
+    wait ended and the timer of its own next retry (its fallback re-check or its deadline)."""
+
+    attempt: Attempt
+    woken: trio.Event = attrs.field(factory=trio.Event)
+    timer: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+
 class GuardEngine:
     """Owns the :class:`~guard_core.GuardState`; see the module rules."""
 
@@ -151,19 +167,22 @@ class GuardEngine:
         self.on_event = on_event
         self._origin = clock()
         self.state = GuardState.initial(config, at=0.0)
-        self._wake = trio.Event()
         #: Request ids; the engines of several pools share one count, so ids stay unique.
         self._ids = ids if ids is not None else itertools.count(1)
         #: The pool it admits for ("" for PIG's single pool).
         self.name = name
-        #: With flow control, the waiting attempts the engine retries itself, in fair order,
-        #: and the event that wakes each one's task when its wait ended.
-        self._ranked: dict[int, tuple[Attempt, trio.Event]] = {}
+        #: The waiting attempts, in arrival order: the engine retries them itself on each
+        #: wake-up (in arrival order, or in fair order under flow control).
+        self._waiters: dict[int, _Waiter] = {}
+        #: Picks each broadcast's order (arrival or its reverse).
+        self._order = random.Random()
 
     # -- time: the core sees seconds since the engine started ------------------------------------
 
-    def _at(self) -> float:
+    def seconds_since_start(self) -> float:
         return self.now() - self._origin
+
+    _at = seconds_since_start
 
     def started_at(self, attempt: Attempt) -> float:
         """When ``attempt`` arrived, on the runtime's clock (``trio.current_time()``)."""
@@ -177,34 +196,47 @@ class GuardEngine:
             self.on_event(event)
         return step.outcome
 
-    def _notify(self) -> None:
-        self._wake.set()
-        self._wake = trio.Event()
-        if self._ranked:
-            self._retry_in_order()
-
-    def _retry_in_order(self) -> None:
-        """Flow control: retry the waiters now, in the core's fair order (higher bands first,
-        then the tenant furthest below its share), once more when a wait ended, and wake the
-        ones that ended; room the gate does not count in slots goes to the fairest that fits.
-        A pass stops once no retry can be admitted (``retry_has_room``): at most
+    def retry_waiters(self) -> None:
+        """Retry the waiters now and wake the ones whose wait ended. Without flow control this
+        is PIG's broadcast: every waiter once, in arrival order or its reverse (at random), and
+        each one left waiting starts its fallback re-check again from now, as a waiter woken by
+        a broadcast would. Under flow control the order is the core's fair order (higher bands
+        first, then the tenant furthest below its share), once more when a wait ended, and a
+        pass stops once no retry can be admitted (``retry_has_room``): at most
         ``RETRY_PASSES`` retries per waiter on one wake-up."""
-        for _ in range(RETRY_PASSES):
-            ended, state = False, self.state
-            assert state.flow is not None
-            for request_id in waiters_in_order(state.flow, state.requests, state.gate):
-                if not retry_has_room(self.state.gate):
+        ranked = self.state.flow is not None
+        for _ in range(RETRY_PASSES if ranked else 1):
+            ended, now = False, self._at()  # one instant: nothing awaits in here
+            for waiter in self._in_retry_order():
+                if ranked and not retry_has_room(self.state.gate):
                     break
-                entry = self._ranked.get(request_id)
-                if entry is None:
-                    continue
-                attempt, woken = entry
-                if self._retry(attempt):
-                    del self._ranked[request_id]
-                    woken.set()
+                if self._retry_waiter(waiter, now):
                     ended = True
-            if not (ended and self._ranked):
+                elif not ranked:
+                    waiter.timer.deadline = self._next_check(waiter.attempt, now)
+            if not (ranked and ended and self._waiters):
                 return
+
+    def _in_retry_order(self) -> list[_Waiter]:
+        state, waiters = self.state, self._waiters
+        if state.flow is not None:
+            fair = waiters_in_order(state.flow, state.requests, state.gate)
+            return [waiters[request_id] for request_id in fair if request_id in waiters]
+        listed = list(waiters.values())
+        return listed[::-1] if self._order.random() < 0.5 else listed
+
+    def _retry_waiter(self, waiter: _Waiter, at: float) -> bool:
+        """Attempt a queued request again at ``at`` (now); whether its wait ended (a slot or a
+        refusal). One that ended leaves the waiters, and its task is woken."""
+        attempt = waiter.attempt
+        retried = Retried(at=at, request_id=attempt.request_id)
+        attempt.outcome, attempt.binding = self._attempt(retried)
+        if isinstance(attempt.outcome, Queued):
+            return False
+        self._conclude(attempt, at)
+        del self._waiters[attempt.request_id]
+        waiter.woken.set()
+        return True
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -249,12 +281,7 @@ class GuardEngine:
         (nothing is applied, nothing recorded)."""
         # Id 0 is never one of the engine's, and the step is dropped: nothing is applied.
         attempt = Arrived(
-            at=self._at(),
-            request_id=0,
-            tier=tier,
-            body_bytes=length,
-            band=band,
-            tenant=tenant,
+            at=self._at(), request_id=0, tier=tier, body_bytes=length, band=band, tenant=tenant
         )
         return refuses_at_once(self.state, attempt)
 
@@ -265,39 +292,34 @@ class GuardEngine:
         return await self.settle(self.begin(tier, path=path, body_bytes=body_bytes))
 
     async def settle(self, attempt: Attempt) -> AdmissionResult:
-        """Wait out a queued attempt (at once for a settled one). Under flow control a wake-up
-        retries the waiters in fair order (:meth:`_retry_in_order`), and the attempt's own
-        timer (its fallback re-check, its deadline) retries it alone; a wait it ends that way
-        lets the others try again."""
-        ranked = self.state.flow is not None
-        while attempt.result is None:
-            queued = attempt.outcome
-            assert isinstance(queued, Queued)
-            woken = self._wake
-            if ranked:
-                woken = trio.Event()
-                self._ranked[attempt.request_id] = (attempt, woken)
-            check_at = next_check_at(queued, now=self._at(), config=self.state.config.gate)
-            try:
-                with trio.move_on_at(self._origin + check_at):
-                    await woken.wait()
-            except trio.Cancelled:
-                self._ranked.pop(attempt.request_id, None)
-                self.abandon(attempt)
-                raise
-            self._ranked.pop(attempt.request_id, None)
-            if attempt.result is None and self._retry(attempt) and ranked:
-                self._notify()  # a claim on a free slot may have ended with it
+        """Wait out a queued attempt (at once for a settled one). A wake-up retries the
+        waiters (:meth:`retry_waiters`) and wakes this one only when its wait ended; its own timer
+        (its fallback re-check, its deadline) retries it alone. Under flow control a wait it
+        ends that way lets the others try again."""
+        if attempt.result is not None:
+            return attempt.result
+        waiter = _Waiter(attempt)
+        self._waiters[attempt.request_id] = waiter
+        try:
+            while attempt.result is None:
+                waiter.timer = trio.CancelScope(deadline=self._next_check(attempt, self._at()))
+                with waiter.timer:
+                    await waiter.woken.wait()
+                ended = attempt.result is None and self._retry_waiter(waiter, self._at())
+                if ended and self.state.flow is not None:
+                    self.retry_waiters()  # a claim on a free slot may have ended with it
+        except trio.Cancelled:
+            self._waiters.pop(attempt.request_id, None)
+            self.abandon(attempt)
+            raise
         return attempt.result
 
-    def _retry(self, attempt: Attempt) -> bool:
-        """Attempt a queued request again now; whether its wait ended (a slot or a refusal)."""
-        retried = Retried(at=self._at(), request_id=attempt.request_id)
-        attempt.outcome, attempt.binding = self._attempt(retried)
-        if isinstance(attempt.outcome, Queued):
-            return False
-        self._conclude(attempt, retried.at)
-        return True
+    def _next_check(self, attempt: Attempt, now: float) -> float:
+        """When a waiting attempt retries on its own, on the runtime's clock: its fallback
+        re-check from ``now``, or its deadline when sooner."""
+        queued = attempt.outcome
+        assert isinstance(queued, Queued)
+        return self._origin + next_check_at(queued, now=now, config=self.state.config.gate)
 
     def abandon(self, attempt: Attempt) -> None:
         """An attempt nobody will settle or serve (its client left): leave the queue, or give
@@ -310,9 +332,7 @@ class GuardEngine:
             attempt.result.slot.release(0)
 
     def _conclude(self, attempt: Attempt, at: float) -> None:
-        waited = at - attempt.arrived
-        outcome = attempt.outcome
-        request_id = attempt.request_id
+        waited, outcome, request_id = at - attempt.arrived, attempt.outcome, attempt.request_id
         if isinstance(outcome, Admitted):
             # Accepted: its prefill grace starts now (the same instant a replay will use).
             self._apply(Forwarded(at=at, request_id=request_id))
@@ -353,15 +373,13 @@ class GuardEngine:
     def publish_poll(
         self, polls: tuple[BackendPoll, ...], *, at: float | None = None
     ) -> PublishedDecision | None:
-        """Evaluate one poll round, publish its decision and wake every waiter."""
+        """Evaluate one poll round and publish its decision. The caller then calls
+        :meth:`retry_waiters`, once it has recorded the round: a recording must hold the poll
+        before the retries it allowed."""
         at = self._at() if at is None else at
         step: GuardStep = apply_guard_event(self.state, MetricsPolled(at, polls))
         self.state = step.state
-        self._notify()
         return step.decision
-
-    def seconds_since_start(self) -> float:
-        return self._at()
 
     # -- traffic and health: what the shell saw happen, told as the core's events -------------
 

@@ -6,9 +6,10 @@ Guarantees:
   when every fetch answered, failed or timed out, and only then is it evaluated, so a slow
   backend delays a round by at most the timeout;
 - a fetch or parse failure becomes a failed backend in the round, never an exception;
-- each round is published to the engine (which wakes every waiter) and reported to the
-  observer with the verbatim learner families, for recording, and, under the predictive
-  learner, the explanation of the cap it set.
+- each round is published to the engine and reported to the observer with the verbatim
+  learner families, for recording, and, under the predictive learner, the explanation of the
+  cap it set; only then does the engine retry its waiters, so a recording holds the round
+  before the retries it allowed.
 """
 
 from __future__ import annotations
@@ -79,8 +80,7 @@ class Poller:
         async with trio.open_nursery() as nursery:
             for source in self.sources:
                 nursery.start_soon(self._fetch, source, results)
-        polls = []
-        pages = []
+        polls, pages = [], []
         for source in self.sources:
             text, error = results[source.name]
             sample = None
@@ -99,6 +99,9 @@ class Poller:
         report = PollReport(at, tuple(pages), tuple(polls), decision, prediction)
         for listener in self.on_round:
             listener(report)
+        # After the round is recorded: the retries it allows follow it in a recording, as they
+        # follow it in the core.
+        self.engine.retry_waiters()
         return report
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

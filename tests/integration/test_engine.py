@@ -5,10 +5,13 @@ Virtual time (trio's autojump clock), so every assertion on time is exact.
 
 from __future__ import annotations
 
+import random
+
 import attrs
 import pytest
 import trio
 
+from guard_adapters.backends import MetricsSource
 from guard_core import (
     BackendPoll,
     BackendSample,
@@ -24,11 +27,13 @@ from guard_core import (
     Refused,
     RejectCode,
     RequestEvent,
+    Retried,
     Tier,
     apply_guard_event,
 )
 from guard_core.gate import DecisionPublished
 from guard_trio._engine import AdmissionResult, GuardEngine
+from guard_trio._poller import Poller
 
 P, B = Tier.PREMIUM, Tier.BASIC
 
@@ -101,9 +106,109 @@ async def test_a_poll_wakes_waiters(autojump_clock: trio.abc.Clock) -> None:
         await trio.sleep(0.1)
         bigger = attrs.evolve(engine.state.gate.decision, cap=3)
         engine.state = apply_guard_event(engine.state, DecisionPublished(bigger)).state
-        engine._notify()
+        engine.retry_waiters()
     assert results[0].slot is not None
     assert results[0].waited_s == pytest.approx(0.1)
+
+
+class _Scheduled(trio.abc.Instrument):
+    """Records every task trio is asked to run next."""
+
+    def __init__(self) -> None:
+        self.tasks: list[trio.lowlevel.Task] = []
+
+    def task_scheduled(self, task: trio.lowlevel.Task) -> None:
+        self.tasks.append(task)
+
+
+class _Fixed(random.Random):
+    """A random source that always draws ``value``."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+@pytest.mark.parametrize("newest_first", [False, True])
+async def test_a_release_retries_every_waiter_and_wakes_only_the_admitted(
+    autojump_clock: trio.abc.Clock, newest_first: bool
+) -> None:
+    events: list[RequestEvent] = []
+    engine = engine_with_cap(1)
+    engine._order = _Fixed(0.0 if newest_first else 0.99)
+    engine.on_event = events.append
+    held = await engine.admit(P)
+    assert held.slot is not None
+    tasks: dict[int, trio.lowlevel.Task] = {}
+    results: dict[int, AdmissionResult] = {}
+
+    async def wait_for_slot(index: int) -> None:
+        tasks[index] = trio.lowlevel.current_task()
+        results[index] = await engine.admit(P)
+
+    async with trio.open_nursery() as nursery:
+        for index in range(30):
+            nursery.start_soon(wait_for_slot, index)
+            await trio.sleep(0.001)
+        assert engine.state.gate.premium_waiting == 30
+        waiting_ids = sorted(engine._waiters)
+        del events[:]
+        scheduled = _Scheduled()
+        trio.lowlevel.add_instrument(scheduled)
+        held.slot.release()  # synchronous: every retry and every wake-up happens in here
+        trio.lowlevel.remove_instrument(scheduled)
+        # Every waiter was retried once, in arrival order or its reverse (the broadcast's
+        # order is drawn each time); only the first retried got the slot, and only its task
+        # was woken: the others sleep on until their own timers.
+        retried = [event.request_id for event in events if isinstance(event, Retried)]
+        assert retried == (waiting_ids[::-1] if newest_first else waiting_ids)
+        first = 29 if newest_first else 0
+        assert scheduled.tasks == [tasks[first]]
+        assert engine.state.gate.premium_waiting == 29
+        nursery.cancel_scope.cancel()
+    assert results.keys() == {first}
+    slot = results[first].slot
+    assert slot is not None
+    slot.release()
+    assert engine.state.gate.inflight == 0
+    assert engine.state.gate.waiting == 0
+
+
+async def test_a_polls_retries_follow_its_report(autojump_clock: trio.abc.Clock) -> None:
+    # The recorder hears of a round from the poller's report and of retries from the engine: a
+    # recording must hold the round before the retries it allowed, or replay folds them first.
+    seen: list[object] = []
+    engine = engine_with_cap(1)
+    engine.on_event = seen.append
+    held = await engine.admit(P)
+    assert held.slot is not None
+    closed = trio.socket.socket()
+    await closed.bind(("127.0.0.1", 0))  # bound, never listening: every fetch is refused
+    host, port = closed.getsockname()
+    source = MetricsSource(name="metrics1", url=f"http://{host}:{port}/metrics")
+    poller = Poller(engine, (source,), interval_s=1.0, on_round=seen.append)
+    results: list[AdmissionResult] = []
+
+    async def wait_for_slot() -> None:
+        results.append(await engine.admit(P))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_for_slot)
+        await trio.sleep(0.01)
+        report = await poller.poll_once()
+    closed.close()
+    assert results[0].slot is None  # the one slot stayed held: refused at its deadline
+    position = seen.index(report)
+    retried = [(i, item) for i, item in enumerate(seen) if isinstance(item, Retried)]
+    assert retried, "the poll retried nobody"
+    # The first retry is the poll's own (at the round's instant), and it comes after the round.
+    first, event = retried[0]
+    assert event.at == report.at
+    assert first > position
+    held.slot.release()
 
 
 async def test_a_cancelled_waiter_leaves_the_queue(autojump_clock: trio.abc.Clock) -> None:

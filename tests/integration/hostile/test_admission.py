@@ -582,7 +582,7 @@ class World:
             backend_count=1,
         )
         engine.state = apply_guard_event(engine.state, DecisionPublished(decision)).state
-        engine._notify()  # waiters re-check, as after a poll
+        engine.retry_waiters()  # waiters re-check, as after a poll
 
     def snapshot(self) -> tuple[int, int, int]:
         gate = self.server.engine.state.gate
