@@ -132,8 +132,8 @@ async def main(host, port, connections, attack_s, budget_s):
         nonlocal stuck
         await trio.sleep(index / connections)  # ramp up over the first second
         while trio.current_time() < stop_at:
+            opened = time.perf_counter()  # before the connect: the guard's clock starts at accept
             stream = await trio.open_tcp_stream(host, port)
-            opened = time.perf_counter()
             head = b"POST /v1/chat/completions HTTP/1.1\\r\\nHost: g\\r\\nX-Slow-%d: " % index
             received, closed = bytearray(), False
             async with stream:
@@ -245,8 +245,8 @@ async def test_an_idle_connection_is_closed_without_a_response(
 ) -> None:
     upstream = await start_upstream(_answer)
     guard, _ = await _guard(start_guard, upstream.base)
+    opened = time.perf_counter()  # before the connect: the guard's clock starts at accept
     stream = await _open(guard)
-    opened = time.perf_counter()
     async with stream:
         with trio.fail_after(HEADER_TIMEOUT_S + 5):
             data = await stream.receive_some(4096)
